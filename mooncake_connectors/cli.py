@@ -1,0 +1,118 @@
+"""The ``mooncake-connectors`` command line.
+
+Each subcommand imports what it needs inside its function so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="mooncake-connectors",
+    help="Mooncake's KV-cache transfer engine, store and scheduler as plugins for inference engines.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Benchmarks (JSON on stdout).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=level,
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=None, show_path=False, rich_tracebacks=False)],
+    )
+
+
+Verbose = Annotated[int, typer.Option("--verbose", "-v", count=True, help="-v info, -vv debug")]
+
+
+@app.command()
+def version() -> None:
+    """Print the package version."""
+    from . import __version__
+
+    typer.echo(__version__)
+
+
+@app.command()
+def plugins() -> None:
+    """List the transports and metadata backends found through entry points."""
+    from .transfer_core.metadata import METADATA_BACKENDS
+    from .transfer_core.transport import TRANSPORTS
+
+    typer.echo(json.dumps({"transports": TRANSPORTS.names(), "metadata": METADATA_BACKENDS.names()}))
+
+
+@app.command("metadata-server")
+def metadata_server(
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
+    path: Annotated[str, typer.Option(help="URL path of the endpoint.")] = "/metadata",
+    verbose: Verbose = 0,
+) -> None:
+    """Run the embedded HTTP metadata server (the single-machine default) in the foreground."""
+    _setup_logging(max(verbose, 1))
+    from .transfer_core.metadata.http import MetadataHTTPServer
+
+    server = MetadataHTTPServer(host, port, path=path)
+    server.start()
+    logging.getLogger("mooncake_connectors").info("metadata server on %s", server.url)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    transports: Annotated[str, typer.Option(help="Comma-separated transports to measure.")] = "tcp,shm",
+    rounds: Annotated[int, typer.Option(min=1, max=1000, help="Rounds per case; median reported.")] = 7,
+    sizes: Annotated[
+        str, typer.Option(help="Comma-separated request sizes (e.g. 64K,1M,16M,128M).")
+    ] = "64K,1M,16M,128M",
+    batch: Annotated[str, typer.Option(help="Batch case COUNTxSIZE, empty to skip.")] = "256x256K",
+    mooncake: Annotated[
+        bool, typer.Option(help="Also run Mooncake's TCP engine when its wheel is installed.")
+    ] = True,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Also write JSON here.")] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Target and initiator in two processes on loopback; GB/s per op, size and transport."""
+    _setup_logging(verbose)
+    from .benchmarks_transfer import run_transfer_benchmark
+
+    result = run_transfer_benchmark(
+        transports=[t.strip() for t in transports.split(",") if t.strip()],
+        rounds=rounds,
+        sizes=sizes,
+        batch=batch,
+        with_mooncake=mooncake,
+    )
+    text = json.dumps(result, indent=2)
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text + "\n")
+    typer.echo(text)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

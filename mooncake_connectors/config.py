@@ -1,0 +1,146 @@
+"""Configuration: frozen dataclasses validated in ``__post_init__``.
+
+Environment variables are read here and nowhere else (:func:`engine_config_from_env`). Where
+Mooncake has a variable with the same meaning, its name is accepted too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from collections.abc import Mapping
+
+from .errors import ConfigError
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+DEFAULT_METADATA_URL = "http://127.0.0.1:8080/metadata"
+
+
+def _check_host(host: str, what: str) -> None:
+    if not host or any(c.isspace() for c in host):
+        raise ConfigError(f"{what} must be a host name or address, got {host!r}")
+
+
+def _check_port(port: int, what: str) -> None:
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"{what} must be an integer port in 0..65535, got {port!r}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one :class:`~mooncake_connectors.transfer_core.TransferEngine`.
+
+    host: address the engine's listeners bind and advertise; loopback by default.
+    port: TCP transport port (0 = any free port).
+    segment_name: name peers use to reach this engine; default ``host:port`` once bound.
+    metadata: ``memory`` | ``http://HOST:PORT/PATH`` | ``etcd://HOST:PORT[,HOST:PORT]`` | ``p2p``.
+    metadata_autostart: for an http URL on a loopback address that nobody answers, start the
+        embedded metadata server in this process (the single-machine default).
+    transports: names from the ``mooncake_connectors.transports`` group, in preference order
+        for paths both can serve.
+    tcp_lanes: TCP connections per peer; slices of a request are spread over them.
+    slice_size: requests larger than this are cut into slices of at most this many bytes.
+    auth_token: shared secret; when set every listening port requires challenge/response.
+    timeout: default deadline (seconds) of a transfer request.
+    connect_timeout: deadline for establishing one connection.
+    backoff_initial / backoff_max: cool-down of a failing path, doubled per failure and decayed
+        by successes.
+    metrics_port: serve Prometheus metrics on host:metrics_port when set.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    segment_name: str | None = None
+    metadata: str = DEFAULT_METADATA_URL
+    metadata_autostart: bool = True
+    transports: tuple[str, ...] = ("shm", "tcp")
+    tcp_lanes: int = 4
+    slice_size: int = 8 * MIB
+    auth_token: str | None = None
+    timeout: float = 30.0
+    connect_timeout: float = 5.0
+    backoff_initial: float = 0.05
+    backoff_max: float = 5.0
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_host(self.host, "host")
+        _check_port(self.port, "port")
+        if self.segment_name is not None and not self.segment_name.strip():
+            raise ConfigError("segment_name must not be empty")
+        if not self.metadata:
+            raise ConfigError("metadata must name a backend (memory, http://…, etcd://…, p2p)")
+        if not self.transports:
+            raise ConfigError("at least one transport must be enabled")
+        if len(set(self.transports)) != len(self.transports):
+            raise ConfigError(f"transports listed twice: {self.transports}")
+        if not 1 <= self.tcp_lanes <= 64:
+            raise ConfigError(f"tcp_lanes must be in 1..64, got {self.tcp_lanes}")
+        if not 4 * KIB <= self.slice_size <= 1 * GIB:
+            raise ConfigError(f"slice_size must be in 4 KiB..1 GiB, got {self.slice_size}")
+        if self.auth_token is not None and len(self.auth_token) < 8:
+            raise ConfigError("auth_token must be at least 8 characters")
+        for name in ("timeout", "connect_timeout", "backoff_initial", "backoff_max"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.backoff_initial > self.backoff_max:
+            raise ConfigError("backoff_initial must not exceed backoff_max")
+        if self.metrics_port is not None:
+            _check_port(self.metrics_port, "metrics_port")
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+# Our names first, then Mooncake's names with the same meaning.
+_ENV_ALIASES: dict[str, tuple[str, ...]] = {
+    "host": ("MOONCAKE_CONNECTORS_HOST", "MC_TCP_BIND_ADDRESS"),
+    "metadata": ("MOONCAKE_CONNECTORS_METADATA", "MOONCAKE_TE_META_DATA_SERVER"),
+    "auth_token": ("MOONCAKE_CONNECTORS_TOKEN",),
+    "tcp_lanes": ("MOONCAKE_CONNECTORS_TCP_LANES",),
+    "slice_size": ("MOONCAKE_CONNECTORS_SLICE_SIZE", "MC_SLICE_SIZE"),
+    "timeout": ("MOONCAKE_CONNECTORS_TIMEOUT", "MC_TRANSFER_TIMEOUT"),
+    "transports": ("MOONCAKE_CONNECTORS_TRANSPORTS",),
+    "metrics_port": ("MOONCAKE_CONNECTORS_METRICS_PORT",),
+}
+
+
+def engine_config_from_env(
+    env: Mapping[str, str] | None = None, **overrides: object
+) -> EngineConfig:
+    """Build an EngineConfig from environment variables, then explicit overrides."""
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for field, names in _ENV_ALIASES.items():
+        for name in names:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            try:
+                if field in ("tcp_lanes", "slice_size", "metrics_port"):
+                    values[field] = int(raw)
+                elif field == "timeout":
+                    values[field] = float(raw)
+                elif field == "transports":
+                    values[field] = tuple(t.strip() for t in raw.split(",") if t.strip())
+                else:
+                    values[field] = raw
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={raw!r} is not valid") from None
+            break
+    values.update(overrides)
+    return EngineConfig(**values)  # type: ignore[arg-type]
