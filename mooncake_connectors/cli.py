@@ -91,7 +91,7 @@ def bench_transfer(
 ) -> None:
     """Target and initiator in two processes on loopback; GB/s per op, size and transport."""
     _setup_logging(verbose)
-    from .benchmarks_transfer import run_transfer_benchmark
+    from .transfer_core.bench import run_transfer_benchmark
 
     result = run_transfer_benchmark(
         transports=[t.strip() for t in transports.split(",") if t.strip()],

@@ -1,0 +1,210 @@
+"""Drop-in facades with Mooncake 0.3.13's Python API.
+
+    # from mooncake.engine import TransferEngine
+    from mooncake_connectors.compat import TransferEngine
+
+Same method names, argument order and return conventions: 0 on success and a negative value on
+failure (the reason is logged), addresses as ints. ``metadata_server`` accepts Mooncake's forms:
+``"P2PHANDSHAKE"``, ``"http://HOST:PORT/metadata"``, ``"etcd://HOST:PORT"`` or a bare
+``"HOST:PORT"`` (etcd, as Mooncake reads it). ``protocol`` ``"tcp"`` enables our ``shm`` and
+``tcp`` transports (shm is used only for same-host peers); ``"rdma"`` needs the rdma transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+from .config import EngineConfig
+from .errors import MooncakeConnectorsError
+from .transfer_core.engine import TransferEngine as _Engine
+from .transfer_core.engine import TransferRequest
+from .transfer_core.memory import SharedBuffer, view
+from .types import TransferOp
+
+log = logging.getLogger(__name__)
+
+_PROTOCOLS: dict[str, tuple[str, ...]] = {"tcp": ("shm", "tcp"), "rdma": ("shm", "rdma", "tcp")}
+
+
+def _metadata_url(metadata_server: str) -> str:
+    m = metadata_server.strip()
+    if m.upper() == "P2PHANDSHAKE":
+        return "p2p"
+    if m.startswith(("http://", "etcd://", "memory")):
+        return m
+    return f"etcd://{m}"  # Mooncake treats a bare HOST:PORT as an etcd endpoint
+
+
+def _location(location: str) -> str | None:
+    return None if location in ("", "*") else location
+
+
+class TransferEngine:
+    """Mooncake's ``mooncake.engine.TransferEngine`` API over our engine."""
+
+    def __init__(self) -> None:
+        self._engine: _Engine | None = None
+        self._managed: dict[int, SharedBuffer] = {}
+
+    def _fail(self, what: str, exc: Exception) -> int:
+        log.error("%s failed: %s", what, exc)
+        return -1
+
+    def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
+                   device_name: str) -> int:
+        if self._engine is not None:
+            return self._fail("initialize", RuntimeError("already initialized"))
+        transports = _PROTOCOLS.get(protocol.lower())
+        if transports is None:
+            return self._fail("initialize", ValueError(f"unsupported protocol {protocol!r}"))
+        host, _, port = local_hostname.partition(":")
+        try:
+            url = _metadata_url(metadata_server)
+            cfg = EngineConfig(
+                host=("127.0.0.1" if host in ("", "localhost") else host),
+                port=int(port) if port and url != "p2p" else 0,
+                segment_name=(local_hostname if port and url != "p2p" else None),
+                metadata=url,
+                transports=transports,
+            )
+            self._engine = _Engine(cfg).start()
+        except (MooncakeConnectorsError, ValueError, OSError) as exc:
+            self._engine = None
+            return self._fail("initialize", exc)
+        return 0
+
+    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,
+                       device_name: str, metadata_type: str) -> int:
+        if metadata_type.lower() == "p2p":
+            metadata_server = "P2PHANDSHAKE"
+        elif metadata_type.lower() == "etcd" and "://" not in metadata_server:
+            metadata_server = f"etcd://{metadata_server}"
+        return self.initialize(local_hostname, metadata_server, protocol, device_name)
+
+    @property
+    def engine(self) -> _Engine:
+        if self._engine is None:
+            raise MooncakeConnectorsError("TransferEngine is not initialized")
+        return self._engine
+
+    def get_rpc_port(self) -> int:
+        return int(self.engine.segment_name.rpartition(":")[2])
+
+    def get_engine(self) -> _Engine:
+        return self.engine
+
+    # -- memory -----------------------------------------------------------------------------
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        try:
+            self.engine.register_raw(buffer_addr, capacity, location=_location(location) or "cpu:0")
+        except (MooncakeConnectorsError, ValueError) as exc:
+            return self._fail("register_memory", exc)
+        return 0
+
+    def unregister_memory(self, buffer_addr: int) -> int:
+        try:
+            self.engine.unregister(buffer_addr)
+        except (MooncakeConnectorsError, ValueError) as exc:
+            return self._fail("unregister_memory", exc)
+        return 0
+
+    def batch_register_memory(self, buffer_addresses: list[int], capacities: list[int],
+                              location: str = "*") -> int:
+        if len(buffer_addresses) != len(capacities):
+            return self._fail("batch_register_memory", ValueError("lists differ in length"))
+        try:
+            self.engine.register_many(zip(buffer_addresses, capacities),
+                                      location=_location(location) or "cpu:0")
+        except (MooncakeConnectorsError, ValueError) as exc:
+            return self._fail("batch_register_memory", exc)
+        return 0
+
+    def batch_unregister_memory(self, buffer_addresses: list[int]) -> int:
+        rc = 0
+        for a in buffer_addresses:
+            rc = min(rc, self.unregister_memory(a))
+        return rc
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """A registered memfd buffer (same-host peers copy it at memcpy speed); 0 on failure."""
+        try:
+            buf = self.engine.allocate_buffer(length)
+        except (MooncakeConnectorsError, ValueError, OSError) as exc:
+            self._fail("allocate_managed_buffer", exc)
+            return 0
+        self._managed[buf.addr] = buf
+        return buf.addr
+
+    def free_managed_buffer(self, buffer: int, length: int) -> int:
+        if self._managed.pop(buffer, None) is None:
+            return self._fail("free_managed_buffer", ValueError(f"unknown buffer {buffer:#x}"))
+        try:
+            self.engine.free_buffer(buffer)
+        except (MooncakeConnectorsError, ValueError) as exc:
+            return self._fail("free_managed_buffer", exc)
+        return 0
+
+    def read_bytes_from_buffer(self, buffer: int, length: int) -> bytes:
+        if self.engine.local.find(buffer, length) is None:
+            raise MooncakeConnectorsError(f"{buffer:#x}+{length} is not registered memory")
+        return bytes(view(buffer, length))
+
+    def write_bytes_to_buffer(self, buffer: int, src: bytes, length: int) -> int:
+        if length > len(src) or self.engine.local.find(buffer, length) is None:
+            return self._fail("write_bytes_to_buffer", ValueError("bad range or source"))
+        ctypes.memmove(buffer, src, length)
+        return 0
+
+    # -- transfers --------------------------------------------------------------------------
+    def _batch(self, op: TransferOp, target: str, buffers: list[int], peers: list[int],
+               lengths: list[int]) -> int:
+        if not len(buffers) == len(peers) == len(lengths):
+            return self._fail(f"batch_transfer_sync_{op.name.lower()}",
+                              ValueError("lists differ in length"))
+        reqs = [TransferRequest(op, target, b, p, n) for b, p, n in zip(buffers, peers, lengths)]
+        try:
+            self.engine.transfer(reqs)
+        except MooncakeConnectorsError as exc:
+            return self._fail(f"transfer {op.name} to {target}", exc)
+        return 0
+
+    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
+                            length: int, transport_hint: str = "") -> int:
+        return self._batch(TransferOp.WRITE, target_hostname, [buffer], [peer_buffer_address], [length])
+
+    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int,
+                           length: int, transport_hint: str = "") -> int:
+        return self._batch(TransferOp.READ, target_hostname, [buffer], [peer_buffer_address], [length])
+
+    def batch_transfer_sync_write(self, target_hostname: str, buffers: list[int],
+                                  peer_buffer_addresses: list[int], lengths: list[int],
+                                  transport_hint: str = "") -> int:
+        return self._batch(TransferOp.WRITE, target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_sync_read(self, target_hostname: str, buffers: list[int],
+                                 peer_buffer_addresses: list[int], lengths: list[int],
+                                 transport_hint: str = "") -> int:
+        return self._batch(TransferOp.READ, target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def close(self) -> None:
+        """Not in Mooncake's API (it frees on destruction); provided for tidy shutdown."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+            self._managed.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # never raise from a finalizer
+            log.debug("closing TransferEngine: %s", exc)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"mooncake_connectors.compat.TransferEngine has no {name!r}; supported: initialize, "
+            "get_rpc_port, register_memory, unregister_memory, batch_register_memory, "
+            "allocate_managed_buffer, free_managed_buffer, transfer_sync_write/read, "
+            "batch_transfer_sync_write/read"
+        )

@@ -1,0 +1,617 @@
+"""The transfer engine: segments, batched one-sided READ/WRITE, failover, deadlines.
+
+    engine = TransferEngine(EngineConfig(metadata="memory")).start()
+    buf = engine.allocate_buffer(1 << 20)          # or engine.register(numpy_array)
+    batch = engine.submit([TransferRequest(TransferOp.READ, "peer", buf.addr, remote, n)])
+    batch.wait(5.0); batch.raise_for_status()
+
+Each request is checked locally (its local range must be registered) and against the target's
+descriptor, cut into slices of at most ``slice_size`` bytes, and the slices are spread over the
+lanes of the best transport that reaches the target memory. A slice that fails with a retryable
+error moves to another lane, then another transport, within the request's deadline; the failing
+path cools down (PathHealth). A slice still in flight at its deadline fails the request with
+TransferTimeout and its lane is torn down so no late bytes land in memory the caller reuses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from ..config import EngineConfig, is_loopback
+from ..errors import (
+    AccessViolation,
+    ConfigError,
+    MetadataError,
+    MooncakeConnectorsError,
+    NoPathAvailable,
+    SegmentNotFound,
+    TransferError,
+    TransferTimeout,
+    TransportBroken,
+    TransportClosed,
+)
+from ..types import Access, TransferOp, TransferStatus
+from . import metrics
+from .descriptor import RegionDesc, SegmentDesc, host_id
+from .health import PathHealth
+from .memory import LocalSegment, Region, SharedBuffer, buffer_region
+from .metadata import MetadataBackend, open_metadata, scheme_of
+from .transport import TRANSPORTS, Slice, Transport, TransportContext
+
+log = logging.getLogger(__name__)
+_ids = itertools.count(1)  # unique default names for engines without a tcp port
+_READ = int(Access.READ)
+_WRITE = int(Access.WRITE)
+_WATCH_PERIOD = 0.25  # seconds; deadlines are enforced within this granularity
+
+
+class TransferRequest(NamedTuple):
+    """One one-sided transfer: READ copies remote → local, WRITE local → remote."""
+
+    op: TransferOp
+    target: str
+    local_addr: int
+    remote_addr: int
+    length: int
+
+
+class Batch:
+    """Requests submitted together; completion is waited on with a deadline."""
+
+    def __init__(self, requests: Sequence[TransferRequest], deadline: float) -> None:
+        self.requests = list(requests)
+        self.deadline = deadline
+        n = len(self.requests)
+        self._status = [TransferStatus.PENDING] * n
+        self._errors: list[MooncakeConnectorsError | None] = [None] * n
+        self._left = [0] * n
+        self._pending = n
+        self._lock = threading.Lock()
+        self._event: threading.Event | None = None  # made only if someone must block
+        self._t0 = time.perf_counter()
+
+    # -- engine side ------------------------------------------------------------------------
+    def _finish(self, i: int, status: TransferStatus, err: MooncakeConnectorsError | None) -> None:
+        # caller holds self._lock
+        if self._status[i] is not TransferStatus.PENDING:
+            return
+        self._status[i] = status
+        self._errors[i] = err
+        metrics.finished(self.requests[i].op.name, status.name, time.perf_counter() - self._t0)
+        self._pending -= 1
+        if self._pending == 0 and self._event is not None:
+            self._event.set()
+
+    def _slice_done(self, i: int, err: MooncakeConnectorsError | None) -> None:
+        with self._lock:
+            self._left[i] -= 1
+            if err is not None:
+                status = (TransferStatus.TIMEOUT if isinstance(err, TransferTimeout)
+                          else TransferStatus.FAILED)
+                self._finish(i, status, err)
+            elif self._left[i] == 0:
+                self._finish(i, TransferStatus.COMPLETED, None)
+
+    def _fail(self, i: int, err: MooncakeConnectorsError) -> None:
+        with self._lock:
+            self._finish(i, TransferStatus.FAILED, err)
+
+    # -- caller side ------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every request finished or ``timeout`` passed; True when all finished.
+
+        Without ``timeout`` this waits until the batch's own deadline (plus a small grace for the
+        watchdog to fail what is still in flight) — never forever.
+        """
+        with self._lock:
+            if self._pending == 0:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if timeout is None:
+            timeout = max(0.0, self.deadline - time.monotonic()) + 1.0
+        return event.wait(timeout)
+
+    def done(self) -> bool:
+        return self._pending == 0
+
+    @property
+    def statuses(self) -> list[TransferStatus]:
+        with self._lock:
+            return list(self._status)
+
+    @property
+    def errors(self) -> list[MooncakeConnectorsError | None]:
+        with self._lock:
+            return list(self._errors)
+
+    def raise_for_status(self) -> None:
+        """Raise the first request's error (TransferTimeout if any is still pending)."""
+        with self._lock:
+            for i, st in enumerate(self._status):
+                if st is TransferStatus.PENDING:
+                    r = self.requests[i]
+                    raise TransferTimeout("request still pending", peer=r.target, index=i)
+            for err in self._errors:
+                if err is not None:
+                    raise err
+
+
+class _PeerView:
+    """A peer's descriptor with a sorted region index and the transports that reach each."""
+
+    __slots__ = ("desc", "regions", "routes", "starts")
+
+    def __init__(self, desc: SegmentDesc) -> None:
+        self.desc = desc
+        self.regions = sorted(desc.regions, key=lambda r: r.addr)
+        self.starts = [r.addr for r in self.regions]
+        self.routes: dict[int, list[tuple[Transport, list[int]]]] = {}
+
+    def find(self, addr: int, length: int) -> RegionDesc | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i < 0:
+            return None
+        r = self.regions[i]
+        return r if addr + length <= r.addr + r.length else None
+
+
+class _Slice(Slice):
+    __slots__ = ("batch", "index", "key", "peer", "region", "transport", "tried")
+
+    batch: Batch
+    index: int
+    peer: SegmentDesc
+    region: RegionDesc
+    transport: Transport
+    key: tuple[str, str, int]
+    tried: set[tuple[str, int]]
+
+
+class TransferEngine:
+    """Owns this process's segment, its transports and its view of peers."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            from ..config import engine_config_from_env
+
+            config = engine_config_from_env(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        self.local = LocalSegment()
+        self.health = PathHealth(config.backoff_initial, config.backoff_max)
+        self.metadata: MetadataBackend | None = None
+        self.transports: list[Transport] = []
+        self._name = ""
+        self._peers: dict[str, _PeerView] = {}
+        self._peer_lock = threading.Lock()
+        self._rr = itertools.count()
+        self._stop = threading.Event()
+        self._watch: list[tuple[float, int, _Slice, int]] = []
+        self._watch_lock = threading.Lock()
+        self._watch_cv = threading.Condition(self._watch_lock)
+        self._seq = itertools.count()
+        self._embedded_server: Any = None
+        self._owned_buffers: dict[int, SharedBuffer] = {}
+        self._started = False
+        self._closed = False
+        self._publish_lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def segment_name(self) -> str:
+        if not self._started:
+            raise ConfigError("engine not started")
+        return self._name
+
+    def start(self) -> TransferEngine:
+        if self._started:
+            return self
+        cfg = self.config
+        self.metadata = self._open_metadata()
+        ctx = TransportContext(cfg, self.local, lambda: self._name, self.refresh_peer, self._stop)
+        endpoints: dict[str, str] = {}
+        try:
+            for name in cfg.transports:
+                t = TRANSPORTS.get(name)(ctx)
+                endpoints.update(t.start())
+                self.transports.append(t)
+            tcp = endpoints.get("tcp")
+            preferred = cfg.segment_name or tcp or f"{cfg.host}:pid{os.getpid()}-{next(_ids)}"
+            self._name = self.metadata.segment_name(preferred)
+            self._endpoints = endpoints
+            self._started = True
+            self._publish()
+        except BaseException:
+            self._started = True
+            self.close()
+            raise
+        if cfg.metrics_port is not None:
+            metrics.serve(cfg.host, cfg.metrics_port)
+        threading.Thread(target=self._watchdog, name="mc-engine-watchdog", daemon=True).start()
+        log.info("segment %s up: transports %s, metadata %s", self._name,
+                 [t.name for t in self.transports], cfg.metadata)
+        return self
+
+    def _open_metadata(self) -> MetadataBackend:
+        cfg = self.config
+        backend = open_metadata(cfg.metadata, cfg)
+        if scheme_of(cfg.metadata) != "http" or not cfg.metadata_autostart:
+            return backend
+        from urllib.parse import urlsplit
+
+        u = urlsplit(cfg.metadata)
+        if not u.hostname or not is_loopback(u.hostname):
+            return backend
+        try:
+            backend.get("__probe__")
+        except MetadataError:
+            from .metadata.http import MetadataHTTPServer
+
+            try:
+                self._embedded_server = MetadataHTTPServer(
+                    u.hostname, u.port or 80, path=u.path or "/metadata", token=cfg.auth_token
+                ).start()
+                log.info("started the embedded metadata server at %s", self._embedded_server.url)
+            except OSError as exc:  # another process won the race; use it
+                log.debug("embedded metadata server not started: %s", exc)
+        return backend
+
+    def _descriptor(self) -> SegmentDesc:
+        return SegmentDesc(
+            name=self._name,
+            host_id=host_id(),
+            pid=os.getpid(),
+            epoch=self.local.epoch,
+            endpoints=self._endpoints,
+            regions=[r.to_desc() for r in self.local.regions()],
+            auth=self.config.auth_token is not None,
+        )
+
+    def _publish(self) -> None:
+        if not self._started or self._closed or self.metadata is None:
+            return
+        with self._publish_lock:
+            desc = self._descriptor()
+            self.metadata.publish_segment(desc)
+            for t in self.transports:
+                t.local_changed(desc.epoch)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._watch_cv:
+            self._watch_cv.notify_all()
+        if self.metadata is not None and self._name:
+            try:
+                self.metadata.remove_segment(self._name)
+            except MetadataError as exc:
+                log.warning("could not unpublish segment %s: %s", self._name, exc)
+        for t in self.transports:
+            t.close()
+        if self.metadata is not None:
+            self.metadata.close()
+        if self._embedded_server is not None:
+            self._embedded_server.stop()
+        for buf in self._owned_buffers.values():
+            buf.close()
+        self._owned_buffers.clear()
+
+    def __enter__(self) -> TransferEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- memory -----------------------------------------------------------------------------
+    def register(self, buffer: Any, *, location: str | None = None,
+                 access: Access | None = None) -> Region:
+        """Register a numpy array, torch tensor, SharedBuffer or buffer-protocol object."""
+        try:
+            region = self.local.add(buffer_region(buffer, location=location, access=access))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        self._publish()
+        return region
+
+    def register_raw(self, addr: int, length: int, *, location: str = "cpu:0",
+                     access: Access = Access.READ_WRITE, owner: Any = None) -> Region:
+        """Register memory the host engine owns, by address; keep it alive while registered."""
+        return self.register_many([(addr, length)], location=location, access=access, owner=owner)[0]
+
+    def register_many(self, ranges: Iterable[tuple[int, int]], *, location: str = "cpu:0",
+                      access: Access = Access.READ_WRITE, owner: Any = None) -> list[Region]:
+        """Register several raw ranges with one descriptor update."""
+        out = []
+        try:
+            for addr, length in ranges:
+                out.append(self.local.add(Region(int(addr), int(length), location, access, owner=owner)))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        finally:
+            self._publish()
+        return out
+
+    def unregister(self, region: Region | int) -> None:
+        addr = region.addr if isinstance(region, Region) else int(region)
+        self.local.remove(addr)
+        self._publish()
+
+    def allocate_buffer(self, size: int) -> SharedBuffer:
+        """A pre-faulted memfd buffer, registered; same-host peers copy it at memcpy speed."""
+        buf = SharedBuffer(size)
+        try:
+            self.register(buf)
+        except BaseException:
+            buf.close()
+            raise
+        self._owned_buffers[buf.addr] = buf
+        return buf
+
+    def free_buffer(self, addr: int) -> None:
+        buf = self._owned_buffers.pop(addr, None)
+        if buf is None:
+            raise ConfigError(f"no buffer allocated by this engine at {addr:#x}")
+        self.unregister(addr)
+        buf.close()
+
+    # -- peers ------------------------------------------------------------------------------
+    def peer(self, name: str) -> SegmentDesc:
+        """The (cached) descriptor of segment ``name``."""
+        return self._view(name).desc
+
+    def _view(self, name: str) -> _PeerView:
+        pv = self._peers.get(name)
+        if pv is None:
+            self.refresh_peer(name)
+            pv = self._peers[name]
+        return pv
+
+    def refresh_peer(self, name: str) -> SegmentDesc:
+        """Fetch ``name``'s descriptor again (after it registered or unregistered memory)."""
+        if self.metadata is None:
+            raise ConfigError("engine not started")
+        desc = self._descriptor() if name == self._name else self.metadata.lookup_segment(name)
+        with self._peer_lock:
+            self._peers[name] = _PeerView(desc)
+        return desc
+
+    # -- transfers --------------------------------------------------------------------------
+    def submit(self, requests: Sequence[TransferRequest], timeout: float | None = None,
+               *, _inline: bool = False) -> Batch:
+        """Start every request; returns at once. Check per-request status on the Batch."""
+        if not self._started or self._closed:
+            raise TransportClosed("engine is not running")
+        deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
+        batch = Batch(requests, deadline)
+        groups: dict[tuple[int, str], tuple[Transport, SegmentDesc, list[_Slice]]] = {}
+        slice_size = self.config.slice_size
+        for i, req in enumerate(batch.requests):
+            try:
+                peer, region, transport, lanes, local = self._plan(req)
+            except MooncakeConnectorsError as exc:
+                batch._fail(i, exc)
+                continue
+            if req.length == 0 or local is None:
+                with batch._lock:
+                    batch._finish(i, TransferStatus.COMPLETED, None)
+                continue
+            n = -(-req.length // slice_size)
+            batch._left[i] = n
+            lane0 = next(self._rr)
+            for k in range(n):
+                off = k * slice_size
+                s = _Slice(req.op, req.local_addr + off, req.remote_addr + off,
+                           min(slice_size, req.length - off), deadline, self._on_slice)
+                s.batch, s.index, s.peer, s.region, s.transport = batch, i, peer, region, transport
+                s.local_mv = local.slice(s.local_addr, s.length)
+                s.lane = lanes[(lane0 + k) % len(lanes)]
+                s.tried = {(transport.name, s.lane)}
+                s.key = (peer.name, transport.name, s.lane)
+                groups.setdefault((id(transport), peer.name), (transport, peer, []))[2].append(s)
+        for transport, peer, slices in groups.values():
+            self._watch_slices(slices)
+            transport.submit(peer, slices, inline_ok=_inline)
+        return batch
+
+    def _plan(
+        self, req: TransferRequest
+    ) -> tuple[SegmentDesc, RegionDesc, Transport, list[int], Region | None]:
+        # The data path: plain int arithmetic here, no enum operations (they cost microseconds).
+        op = req.op
+        if op is not TransferOp.READ and op is not TransferOp.WRITE:
+            try:
+                op = TransferOp(op)
+            except ValueError:
+                raise ConfigError(f"unknown transfer op {op!r}") from None
+        length = req.length
+        if length < 0 or req.local_addr < 0 or req.remote_addr < 0:
+            raise ConfigError(f"negative address or length in {req}")
+        local = None
+        if length:
+            local = self.local.find(req.local_addr, length)
+            if local is None:
+                raise AccessViolation(
+                    f"local range {req.local_addr:#x}+{length} is not registered with this engine",
+                    peer=req.target, path="local")
+            if op is TransferOp.READ and not local.writable:
+                raise AccessViolation("READ destination is read-only local memory",
+                                      peer=req.target, path="local")
+        try:
+            pv = self._view(req.target)
+        except SegmentNotFound:
+            raise
+        except MetadataError as exc:
+            raise TransportBroken(f"cannot look up segment: {exc.message}", peer=req.target) from exc
+        need = _READ if op is TransferOp.READ else _WRITE
+        span = length or 1
+        region = pv.find(req.remote_addr, span)
+        if region is None or not need & region.access:
+            self.refresh_peer(req.target)  # it may have registered since we looked
+            pv = self._peers[req.target]
+            region = pv.find(req.remote_addr, span)
+            if region is None:
+                raise AccessViolation(
+                    f"{req.remote_addr:#x}+{length} is not inside a registered region",
+                    peer=req.target)
+            if not need & region.access:
+                raise AccessViolation(
+                    f"region at {region.addr:#x} does not allow {op.name}", peer=req.target)
+        peer = pv.desc
+        routes = pv.routes.get(region.addr)
+        if routes is None:
+            routes = [(t, list(range(t.lanes(peer)))) for t in self.transports
+                      if t.reachable(peer, region)]
+            pv.routes[region.addr] = routes
+        if not routes:
+            raise NoPathAvailable(
+                f"no enabled transport ({[t.name for t in self.transports]}) reaches "
+                f"{region.location} memory of this peer", peer=req.target)
+        if not self.health.any_failing():
+            t, lanes = routes[0]
+            return peer, region, t, lanes, local
+        now = time.monotonic()
+        for t, lanes in routes:
+            ok = [ln for ln in lanes if self.health.usable((peer.name, t.name, ln), now)]
+            if ok:
+                return peer, region, t, ok, local
+        t, lanes = routes[0]  # every lane is cooling down: try the preferred one anyway
+        return peer, region, t, lanes, local
+
+    def _on_slice(self, s: Slice, err: MooncakeConnectorsError | None) -> None:
+        assert isinstance(s, _Slice)
+        with self._watch_lock:
+            if s._done:
+                return  # already timed out by the watchdog
+            if err is None or not self._retryable(s, err):
+                s._done = True
+        if err is None:
+            self.health.succeeded(s.key)
+            metrics.moved(s.transport.name, s.op.name, s.length)
+            s.batch._slice_done(s.index, None)
+            return
+        metrics.slice_failed(s.transport.name, type(err).__name__)
+        if not s._done:
+            if self.health.usable(s.key):  # one broken lane fails many slices: count it once
+                self.health.failed(s.key)
+            self._retry(s, err)
+        else:
+            s.batch._slice_done(s.index, err)
+
+    def _retryable(self, s: _Slice, err: MooncakeConnectorsError) -> bool:
+        return (isinstance(err, TransportBroken) and not self._closed
+                and time.monotonic() < s.deadline and s.batch._status[s.index]
+                is TransferStatus.PENDING)
+
+    def _retry(self, s: _Slice, err: MooncakeConnectorsError) -> None:
+        """Move ``s`` to another usable path, or wait for one to cool down, within its deadline."""
+        now = time.monotonic()
+        options: list[tuple[Transport, int]] = []
+        for t in self.transports:
+            if t.reachable(s.peer, s.region):
+                options.extend((t, ln) for ln in range(t.lanes(s.peer)))
+        fresh = [(t, ln) for t, ln in options if (t.name, ln) not in s.tried
+                 and self.health.usable((s.peer.name, t.name, ln), now)]
+        usable = fresh or [(t, ln) for t, ln in options
+                           if self.health.usable((s.peer.name, t.name, ln), now)]
+        if usable:
+            t, ln = usable[0]
+            self._resubmit(s, t, ln)
+            return
+        if options:
+            t, ln = min(options, key=lambda o: self.health.ready_at((s.peer.name, o[0].name, o[1])))
+            at = self.health.ready_at((s.peer.name, t.name, ln))
+            if at < s.deadline:
+                timer = threading.Timer(max(0.0, at - now), self._resubmit, args=(s, t, ln))
+                timer.daemon = True
+                timer.start()
+                return
+        with self._watch_lock:
+            s._done = True
+        tried = ", ".join(f"{t} lane {ln}" for t, ln in sorted(s.tried))
+        s.batch._slice_done(s.index, TransportBroken(
+            f"every path failed before the deadline (tried {tried}); last error: {err}",
+            peer=s.peer.name, path=s.path,
+        ))
+
+    def _resubmit(self, s: _Slice, t: Transport, lane: int) -> None:
+        if self._closed:
+            with self._watch_lock:
+                s._done = True
+            s.batch._slice_done(s.index, TransportClosed("engine closed", peer=s.peer.name))
+            return
+        metrics.retried(t.name)
+        log.debug("retrying %s slice to %s on %s lane %d", s.op.name, s.peer.name, t.name, lane)
+        s.transport, s.lane = t, lane
+        s.key = (s.peer.name, t.name, lane)
+        s.tried.add((t.name, lane))
+        s.attempts += 1
+        t.submit(s.peer, [s])
+
+    # -- deadlines --------------------------------------------------------------------------
+    def _watch_slices(self, slices: list[_Slice]) -> None:
+        with self._watch_cv:
+            heap = self._watch
+            # Finished slices leave the heap lazily; compact when they dominate it.
+            if len(heap) > 4096:
+                heap[:] = [e for e in heap if not e[2]._done]
+                heapq.heapify(heap)
+            wake = not heap or slices[0].deadline < heap[0][0]
+            for s in slices:
+                heapq.heappush(heap, (s.deadline, next(self._seq), s, 0))
+            # The watchdog sleeps at most _WATCH_PERIOD; wake it only for an earlier deadline.
+            if wake and slices[0].deadline - time.monotonic() < _WATCH_PERIOD:
+                self._watch_cv.notify()
+
+    def _watchdog(self) -> None:
+        while not self._stop.is_set():
+            expired: list[_Slice] = []
+            with self._watch_cv:
+                now = time.monotonic()
+                while self._watch and (self._watch[0][2]._done or self._watch[0][0] <= now):
+                    _, _, s, _ = heapq.heappop(self._watch)
+                    if not s._done:
+                        s._done = True
+                        expired.append(s)
+                if not expired:
+                    wait = self._watch[0][0] - now if self._watch else _WATCH_PERIOD
+                    self._watch_cv.wait(min(max(wait, 0.001), _WATCH_PERIOD))
+                    continue
+            for s in expired:
+                s.batch._slice_done(s.index, TransferTimeout(
+                    f"{s.op.name} of {s.length} bytes missed its deadline", peer=s.peer.name,
+                    path=s.path,
+                ))
+                s.transport.abort(s.peer.name, s.lane)
+
+    # -- sync helpers -----------------------------------------------------------------------
+    def transfer(self, requests: Sequence[TransferRequest], timeout: float | None = None) -> None:
+        """Submit, wait, and raise the first error."""
+        batch = self.submit(requests, timeout, _inline=True)
+        batch.wait()
+        batch.raise_for_status()
+
+    def read(self, target: str, local_addr: int, remote_addr: int, length: int,
+             timeout: float | None = None) -> None:
+        self.transfer([TransferRequest(TransferOp.READ, target, local_addr, remote_addr, length)],
+                      timeout)
+
+    def write(self, target: str, local_addr: int, remote_addr: int, length: int,
+              timeout: float | None = None) -> None:
+        self.transfer([TransferRequest(TransferOp.WRITE, target, local_addr, remote_addr, length)],
+                      timeout)
+
+
+__all__ = ["Batch", "TransferEngine", "TransferError", "TransferRequest"]

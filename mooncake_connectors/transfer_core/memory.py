@@ -1,0 +1,240 @@
+"""Local memory: registered regions, access checks, and memfd-backed shared buffers."""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import dataclasses
+import functools
+import mmap
+import os
+import threading
+from typing import Any
+
+from ..errors import AccessViolation, ConfigError
+from ..types import Access, parse_location
+from .descriptor import RegionDesc
+
+
+def view(addr: int, length: int) -> memoryview:
+    """A writable byte view of ``length`` bytes at ``addr`` (the caller checked the range)."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+class SharedBuffer:
+    """Memory backed by a memfd, so a peer on the same host can map it and copy at memcpy speed.
+
+    ``array`` is a numpy uint8 view; ``addr`` its address. Pages are pre-faulted (MAP_POPULATE)
+    so the first transfer does not pay for page faults. Close it after unregistering.
+    """
+
+    def __init__(self, size: int, name: str = "mooncake-connectors") -> None:
+        import numpy as np
+
+        if size <= 0:
+            raise ConfigError(f"buffer size must be > 0, got {size}")
+        self.size = size
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(self.fd, size, flags=flags)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.inode = os.fstat(self.fd).st_ino
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.addr = int(self.array.ctypes.data)
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        del self.array
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A view is still alive somewhere; the mapping goes when its last view does.
+            pass
+        os.close(self.fd)
+
+    def __enter__(self) -> SharedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One registered range of this process's memory."""
+
+    addr: int
+    length: int
+    location: str = "cpu:0"
+    access: Access = Access.READ_WRITE
+    memfd: int = -1
+    memfd_inode: int = 0
+    memfd_offset: int = 0
+    cuda_device: int = -1
+    writable: bool = True  # may local READs land here (False for bytes and read-only arrays)
+    # Keeps the Python object that owns the memory alive while registered; not compared.
+    owner: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+    @functools.cached_property
+    def mv(self) -> memoryview:
+        """A byte view of the whole region; slicing it is far cheaper than building views."""
+        return view(self.addr, self.length)
+
+    def slice(self, addr: int, length: int) -> memoryview:
+        off = addr - self.addr
+        return self.mv[off:off + length]
+
+    def to_desc(self) -> RegionDesc:
+        return RegionDesc(
+            addr=self.addr,
+            length=self.length,
+            location=self.location,
+            access=int(self.access),
+            memfd=self.memfd,
+            memfd_inode=self.memfd_inode,
+            memfd_offset=self.memfd_offset,
+            cuda_device=self.cuda_device,
+        )
+
+
+def buffer_region(
+    buffer: Any, *, location: str | None = None, access: Access | None = None
+) -> Region:
+    """Describe any supported buffer as a Region (not yet registered).
+
+    Supported: SharedBuffer, numpy arrays, torch tensors (contiguous), and any object exposing
+    the buffer protocol (bytearray, memoryview, mmap, bytes — the last read-only).
+    """
+    if isinstance(buffer, SharedBuffer):
+        if buffer.closed:
+            raise ConfigError("cannot register a closed SharedBuffer")
+        return Region(
+            buffer.addr,
+            buffer.size,
+            location or "cpu:0",
+            Access.READ_WRITE if access is None else access,
+            memfd=buffer.fd,
+            memfd_inode=buffer.inode,
+            owner=buffer,
+        )
+    mod = type(buffer).__module__
+    if mod.startswith("torch"):
+        if not buffer.is_contiguous():
+            raise ConfigError("only contiguous tensors can be registered")
+        dev = buffer.device
+        loc = location or (f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu:0")
+        return Region(
+            int(buffer.data_ptr()),
+            int(buffer.numel() * buffer.element_size()),
+            loc,
+            Access.READ_WRITE if access is None else access,
+            cuda_device=(dev.index or 0) if dev.type == "cuda" else -1,
+            owner=buffer,
+        )
+    import numpy as np
+
+    if isinstance(buffer, np.ndarray):
+        arr = buffer
+        if not arr.flags.c_contiguous:
+            raise ConfigError("only C-contiguous numpy arrays can be registered")
+    else:
+        try:
+            arr = np.frombuffer(buffer, dtype=np.uint8)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot register {type(buffer).__name__}: not a buffer, array or tensor"
+            ) from exc
+    writable = bool(arr.flags.writeable)
+    rights = Access.READ_WRITE if writable else Access.READ
+    if access is not None:
+        if access & Access.WRITE and not writable:
+            raise ConfigError("a read-only buffer cannot be registered with WRITE access")
+        rights = access
+    return Region(
+        int(arr.ctypes.data), int(arr.nbytes), location or "cpu:0", rights,
+        writable=writable, owner=arr,
+    )
+
+
+class LocalSegment:
+    """The registered regions of this process, kept sorted for O(log n) range checks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._regions: list[Region] = []
+        self.epoch = 0
+
+    def add(self, region: Region) -> Region:
+        if region.length < 0 or region.addr < 0:
+            raise ConfigError(f"bad region address/length: {region.addr:#x}+{region.length}")
+        if region.length == 0:
+            raise ConfigError("cannot register an empty region")
+        parse_location(region.location)  # raises ValueError (ConfigError below) if malformed
+        with self._lock:
+            i = bisect.bisect_right(self._starts, region.addr)
+            prev = self._regions[i - 1] if i else None
+            nxt = self._regions[i] if i < len(self._regions) else None
+            if prev is not None and prev.addr == region.addr and prev.length == region.length:
+                return prev  # registering the same range twice is harmless
+            if (prev is not None and prev.end > region.addr) or (
+                nxt is not None and region.end > nxt.addr
+            ):
+                raise ConfigError(
+                    f"region {region.addr:#x}+{region.length} overlaps a registered region"
+                )
+            self._starts.insert(i, region.addr)
+            self._regions.insert(i, region)
+            self.epoch += 1
+            return region
+
+    def remove(self, addr: int) -> Region:
+        with self._lock:
+            i = bisect.bisect_left(self._starts, addr)
+            if i == len(self._starts) or self._starts[i] != addr:
+                raise ConfigError(f"no region registered at {addr:#x}")
+            del self._starts[i]
+            region = self._regions.pop(i)
+            self.epoch += 1
+            return region
+
+    def find(self, addr: int, length: int) -> Region | None:
+        # Lock-free read: list replacement under the lock keeps a consistent snapshot in CPython
+        # only if we read both lists once; take the lock, it is uncontended on the data path.
+        with self._lock:
+            i = bisect.bisect_right(self._starts, addr) - 1
+            if i < 0:
+                return None
+            r = self._regions[i]
+        if addr + length <= r.end and length >= 0:
+            return r
+        return None
+
+    def check(self, addr: int, length: int, need: Access, *, who: str = "") -> Region:
+        """Return the region holding [addr, addr+length) with rights ``need``, else raise."""
+        r = self.find(addr, length)
+        if r is None:
+            raise AccessViolation(
+                f"{addr:#x}+{length} is not inside a registered region", peer=who or None
+            )
+        if need & ~r.access:
+            raise AccessViolation(
+                f"{addr:#x}+{length} lacks {need!r} rights (region allows {r.access!r})",
+                peer=who or None,
+            )
+        return r
+
+    def regions(self) -> list[Region]:
+        with self._lock:
+            return list(self._regions)

@@ -1,0 +1,282 @@
+"""``http``: the embedded metadata server (single-machine default) and its client.
+
+Endpoint (``PATH`` defaults to ``/metadata``, as Mooncake's own HTTP metadata server):
+    GET    PATH?key=K      200 value | 404
+    PUT    PATH?key=K      body = value; 200
+    DELETE PATH?key=K      200 | 404
+    GET    PATH?prefix=P   200 msgpack {key: value}
+    GET    /health         200 "ok"
+With a token configured every request needs ``Authorization: Bearer TOKEN`` (else 401).
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import http.server
+import logging
+import threading
+import urllib.parse
+
+import msgspec
+
+from ...config import EngineConfig
+from ...errors import ConfigError, MetadataError
+from ...plugins import hookimpl
+from .base import MetadataBackend
+
+log = logging.getLogger(__name__)
+
+MAX_VALUE = 64 * 1024 * 1024
+_list_codec = msgspec.msgpack.Decoder(dict[str, bytes])
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _reply(self, code: int, body: bytes = b"", ctype: str = "application/octet-stream") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+    def _route(self) -> tuple[str, dict[str, str]] | None:
+        url = urllib.parse.urlsplit(self.path)
+        if url.path == "/health":
+            self._reply(200, b"ok", "text/plain")
+            return None
+        token = self.server.token
+        if token:
+            got = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                self._reply(401, b"missing or wrong token", "text/plain")
+                return None
+        if url.path.rstrip("/") != self.server.path:
+            self._reply(404, b"unknown path", "text/plain")
+            return None
+        q = {k: v[0] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
+        return url.path, q
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+        r = self._route()
+        if r is None:
+            return
+        _, q = r
+        store = self.server.store
+        if "key" in q:
+            with self.server.lock:
+                value = store.get(q["key"])
+            if value is None:
+                self._reply(404, b"no such key", "text/plain")
+            else:
+                self._reply(200, value)
+        elif "prefix" in q:
+            p = q["prefix"]
+            with self.server.lock:
+                items = {k: v for k, v in store.items() if k.startswith(p)}
+            self._reply(200, msgspec.msgpack.encode(items), "application/msgpack")
+        else:
+            self._reply(400, b"give ?key= or ?prefix=", "text/plain")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        r = self._route()
+        if r is None:
+            return
+        _, q = r
+        try:
+            length = int(self.headers.get("Content-Length", "-1"))
+        except ValueError:
+            length = -1
+        if "key" not in q or not q["key"]:
+            self._reply(400, b"PUT needs ?key=", "text/plain")
+            self.close_connection = True
+            return
+        if length < 0 or length > MAX_VALUE:
+            self._reply(413, b"value missing or larger than 64 MiB", "text/plain")
+            self.close_connection = True
+            return
+        body = self.rfile.read(length)
+        if len(body) != length:
+            self.close_connection = True
+            return
+        with self.server.lock:
+            self.server.store[q["key"]] = body
+        self._reply(200)
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        r = self._route()
+        if r is None:
+            return
+        _, q = r
+        with self.server.lock:
+            found = self.server.store.pop(q.get("key", ""), None) is not None
+        self._reply(200 if found else 404)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], path: str, token: str | None) -> None:
+        super().__init__(addr, _Handler)
+        self.path = path.rstrip("/") or "/"
+        self.token = token
+        self.store: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+
+class MetadataHTTPServer:
+    """The embedded metadata server; ``start()`` serves in a background thread."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 8080, *, path: str = "/metadata",
+        token: str | None = None,
+    ) -> None:
+        if not path.startswith("/"):
+            raise ConfigError(f"metadata path must start with '/', got {path!r}")
+        self._srv = _Server((host, port), path, token)
+        self.host = host
+        self.port = self._srv.server_address[1]
+        self.path = path
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}{self.path}"
+
+    def start(self) -> MetadataHTTPServer:
+        self._thread = threading.Thread(
+            target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
+            name="mc-metadata-http", daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            while self._thread.is_alive():
+                self._thread.join(timeout=1.0)
+
+    def stop(self) -> None:
+        self._srv.shutdown()
+        self._srv.server_close()
+
+    # direct access for the p2p backend that embeds this server
+    def local_put(self, key: str, value: bytes) -> None:
+        with self._srv.lock:
+            self._srv.store[key] = value
+
+    def local_get(self, key: str) -> bytes | None:
+        with self._srv.lock:
+            return self._srv.store.get(key)
+
+    def local_delete(self, key: str) -> bool:
+        with self._srv.lock:
+            return self._srv.store.pop(key, None) is not None
+
+
+class HttpClient:
+    """A small keep-alive client of the endpoint above; every call has a deadline."""
+
+    def __init__(self, url: str, *, timeout: float = 5.0, token: str | None = None) -> None:
+        u = urllib.parse.urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ConfigError(f"metadata URL must look like http://HOST:PORT/PATH, got {url!r}")
+        self.url = url
+        self.host = u.hostname
+        self.port = u.port or 80
+        self.path = u.path or "/metadata"
+        self.timeout = timeout
+        self.token = token
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
+
+    def request(self, method: str, query: dict[str, str], body: bytes | None = None) -> tuple[int, bytes]:
+        target = f"{self.path}?{urllib.parse.urlencode(query)}"
+        headers = {"Content-Length": str(len(body or b""))}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        with self._lock:
+            for attempt in (0, 1):  # one reconnect: a kept-alive connection may have gone stale
+                if self._conn is None:
+                    self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                try:
+                    self._conn.request(method, target, body=body, headers=headers)
+                    resp = self._conn.getresponse()
+                    data = resp.read()
+                    return resp.status, data
+                except (OSError, http.client.HTTPException) as exc:
+                    self._conn.close()
+                    self._conn = None
+                    if attempt == 1 or isinstance(exc, TimeoutError):
+                        raise MetadataError(
+                            f"metadata server {self.url} unreachable: {exc}", url=self.url
+                        ) from exc
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def _check(status: int, data: bytes, url: str, ok: tuple[int, ...] = (200,)) -> None:
+    if status == 401:
+        raise MetadataError("metadata server refused our token", url=url)
+    if status not in ok:
+        raise MetadataError(
+            f"metadata server answered {status}: {data[:200].decode(errors='replace')}", url=url
+        )
+
+
+class HttpMetadata(MetadataBackend):
+    scheme = "http"
+
+    def __init__(self, url: str, *, timeout: float = 5.0, token: str | None = None) -> None:
+        self.client = HttpClient(url, timeout=timeout, token=token)
+
+    @classmethod
+    def from_url(cls, url: str, config: EngineConfig | None = None) -> HttpMetadata:
+        if config is None:
+            return cls(url)
+        return cls(url, timeout=config.connect_timeout, token=config.auth_token)
+
+    def put(self, key: str, value: bytes) -> None:
+        status, data = self.client.request("PUT", {"key": key}, bytes(value))
+        _check(status, data, self.client.url)
+
+    def get(self, key: str) -> bytes | None:
+        status, data = self.client.request("GET", {"key": key})
+        if status == 404:
+            return None
+        _check(status, data, self.client.url)
+        return data
+
+    def delete(self, key: str) -> bool:
+        status, data = self.client.request("DELETE", {"key": key})
+        _check(status, data, self.client.url, ok=(200, 404))
+        return status == 200
+
+    def list(self, prefix: str) -> dict[str, bytes]:
+        status, data = self.client.request("GET", {"prefix": prefix})
+        _check(status, data, self.client.url)
+        try:
+            return _list_codec.decode(data)
+        except msgspec.DecodeError as exc:
+            raise MetadataError(f"bad listing from {self.client.url}: {exc}") from exc
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@hookimpl
+def mooncake_metadata() -> type[MetadataBackend]:
+    return HttpMetadata

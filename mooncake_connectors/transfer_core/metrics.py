@@ -1,0 +1,68 @@
+"""Prometheus metrics of the transfer engine (prometheus-client, default registry).
+
+The data path calls the small helpers below; label children are cached because ``labels()``
+costs microseconds per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+BYTES = Counter(
+    "mooncake_connectors_transfer_bytes", "Bytes moved by completed slices", ["transport", "op"]
+)
+REQUESTS = Counter(
+    "mooncake_connectors_transfer_requests", "Transfer requests by final status", ["op", "status"]
+)
+SLICE_FAILURES = Counter(
+    "mooncake_connectors_transfer_slice_failures", "Failed slice attempts", ["transport", "kind"]
+)
+RETRIES = Counter(
+    "mooncake_connectors_transfer_retries",
+    "Slice attempts moved to another lane or transport",
+    ["transport"],
+)
+LATENCY = Histogram(
+    "mooncake_connectors_transfer_latency_seconds",
+    "Latency of transfer requests, submit to completion",
+    ["op"],
+    buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+
+
+@functools.cache
+def _child(metric: Any, *labels: str) -> Any:
+    return metric.labels(*labels)
+
+
+def moved(transport: str, op: str, nbytes: int) -> None:
+    _child(BYTES, transport, op).inc(nbytes)
+
+
+def finished(op: str, status: str, seconds: float) -> None:
+    _child(REQUESTS, op, status).inc()
+    _child(LATENCY, op).observe(seconds)
+
+
+def slice_failed(transport: str, kind: str) -> None:
+    _child(SLICE_FAILURES, transport, kind).inc()
+
+
+def retried(transport: str) -> None:
+    _child(RETRIES, transport).inc()
+
+
+_served: set[tuple[str, int]] = set()
+_lock = threading.Lock()
+
+
+def serve(host: str, port: int) -> None:
+    """Serve /metrics on host:port once per process (idempotent)."""
+    with _lock:
+        if (host, port) not in _served:
+            start_http_server(port, addr=host)
+            _served.add((host, port))

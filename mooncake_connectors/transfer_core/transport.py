@@ -1,0 +1,133 @@
+"""The transport interface: one small ABC, implementations found through entry points.
+
+A transport moves *slices* (contiguous pieces of a request) between this process's registered
+memory and a peer's. It reports each slice's outcome through ``Slice.complete``; the engine owns
+retries, failover, deadlines and bookkeeping. A transport never blocks ``submit``.
+
+Errors a transport reports:
+  * TransportBroken  — connection/peer failure; the engine may retry on another lane/transport.
+  * AccessViolation, ProtocolError, AuthenticationError — final; retrying cannot help.
+  * TransportClosed  — the transport was closed by us.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from ..config import EngineConfig
+from ..errors import MooncakeConnectorsError
+from ..plugins import TRANSPORT_GROUP, Registry
+from ..types import TransferOp
+from .descriptor import RegionDesc, SegmentDesc
+
+if TYPE_CHECKING:
+    from .memory import LocalSegment
+
+
+class Slice:
+    """One contiguous piece of a transfer request, in flight on one path."""
+
+    __slots__ = (
+        "_done",
+        "_on_done",
+        "attempts",
+        "deadline",
+        "lane",
+        "length",
+        "local_addr",
+        "local_mv",
+        "op",
+        "path",
+        "remote_addr",
+    )
+
+    def __init__(
+        self,
+        op: TransferOp,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        deadline: float,
+        on_done: Callable[[Slice, MooncakeConnectorsError | None], None],
+    ) -> None:
+        self.op = op
+        self.local_addr = local_addr
+        self.local_mv: memoryview | None = None  # view of the local bytes, set by the engine
+        self.remote_addr = remote_addr
+        self.length = length
+        self.deadline = deadline
+        self.lane = 0
+        self.path = ""
+        self.attempts = 0
+        self._on_done = on_done
+        self._done = False
+
+    def local_view(self) -> memoryview:
+        """The local bytes of this slice (checked against the local registration already)."""
+        if self.local_mv is None:
+            from .memory import view
+
+            self.local_mv = view(self.local_addr, self.length)
+        return self.local_mv
+
+    def complete(self, error: MooncakeConnectorsError | None = None) -> None:
+        """Report the outcome of the current attempt (exactly once per attempt)."""
+        self._on_done(self, error)
+
+
+@dataclasses.dataclass
+class TransportContext:
+    """What the engine lends a transport."""
+
+    config: EngineConfig
+    local: LocalSegment
+    segment_name: Callable[[], str]
+    # Re-fetch a peer's descriptor (after its epoch changed); raises MetadataError.
+    refresh_peer: Callable[[str], SegmentDesc]
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class Transport(abc.ABC):
+    """Base class of transports. Subclasses set ``name`` and implement the abstract methods."""
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def start(self) -> dict[str, str]:
+        """Start listeners if any; return endpoint entries for the segment descriptor."""
+
+    @abc.abstractmethod
+    def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
+        """Can this transport move data to/from ``region`` of ``peer``? Must be cheap."""
+
+    def lanes(self, peer: SegmentDesc) -> int:
+        """Independent paths to ``peer`` (failover moves a slice to another lane)."""
+        return 1
+
+    @abc.abstractmethod
+    def submit(self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False) -> None:
+        """Start moving ``slices`` (each with ``lane`` set).
+
+        Without ``inline_ok`` this must not block on bulk I/O. With it the caller is about to
+        wait for these slices anyway, so the transport may do the work in the calling thread.
+        """
+
+    def local_changed(self, epoch: int) -> None:  # noqa: B027 - optional hook
+        """Local registrations changed (register/unregister); ``epoch`` is the new generation."""
+
+    def abort(self, peer_name: str, lane: int) -> None:  # noqa: B027 - optional hook
+        """Tear down a lane whose slice missed its deadline, so no late bytes land."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop listeners and fail every slice in flight with TransportClosed."""
+
+
+TRANSPORTS: Registry[Transport] = Registry(TRANSPORT_GROUP, "mooncake_transport")

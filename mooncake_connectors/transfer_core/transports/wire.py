@@ -1,0 +1,82 @@
+"""Wire format of the tcp transport (also used by tests that send malformed frames).
+
+Connection start (server speaks first):
+    server HELLO  <4sHHI16s  magic b"MCCT", version, flags (bit 0: token required), 0, nonce
+    client AUTH   <4sHH32s   magic b"MCCT", version, 0, HMAC-SHA256(token, nonce) or zeros
+    server VERDICT <4sHH     magic b"MCCT", status (0 ok, 1 bad token, 2 bad version), 0
+Then pipelined requests, answered in order:
+    request  <IBBHQQQ  REQ_MAGIC, op, 0, 0, request id, remote address, length [+ payload if WRITE]
+    response <IBBHQQ   RESP_MAGIC, status, 0, 0, request id, length [+ payload: READ data, or an
+                       utf-8 error message when status != OK]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+
+from ..descriptor import PROTOCOL_VERSION
+
+MAGIC = b"MCCT"
+HELLO = struct.Struct("<4sHHI16s")
+AUTH = struct.Struct("<4sHH32s")
+VERDICT = struct.Struct("<4sHH")
+REQ = struct.Struct("<IBBHQQQ")
+RESP = struct.Struct("<IBBHQQ")
+REQ_MAGIC = 0x4D435251  # "MCRQ"
+RESP_MAGIC = 0x4D435250  # "MCRP"
+
+OP_READ = 0
+OP_WRITE = 1
+OP_PING = 2
+
+ST_OK = 0
+ST_ACCESS = 1
+ST_PROTOCOL = 2
+ST_INTERNAL = 3
+
+VERDICT_OK = 0
+VERDICT_BAD_TOKEN = 1
+VERDICT_BAD_VERSION = 2
+
+FLAG_AUTH = 1
+MAX_PAYLOAD = 1 << 30  # matches the largest slice_size EngineConfig accepts
+MAX_ERROR_MESSAGE = 4096
+
+VERSION = PROTOCOL_VERSION
+
+
+def mac(token: str | None, nonce: bytes) -> bytes:
+    if not token:
+        return bytes(32)
+    return hmac.new(token.encode(), b"mcct-auth" + nonce, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    """Fill ``buf`` completely from ``sock``; ConnectionError when the peer closes first."""
+    n = len(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+
+
+def sendmsg_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
+    """Send every buffer, in order, with as few syscalls as the kernel allows."""
+    while bufs:
+        sent = sock.sendmsg(bufs[:1024])
+        while sent:
+            first = bufs[0]
+            if sent >= len(first):
+                sent -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = memoryview(first)[sent:]
+                sent = 0
+        # drop empty buffers so sendmsg never spins on zero-length entries
+        while bufs and len(bufs[0]) == 0:
+            bufs.pop(0)
