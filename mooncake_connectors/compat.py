@@ -52,8 +52,9 @@ class TransferEngine:
         log.error("%s failed: %s", what, exc)
         return -1
 
-    def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
-                   device_name: str) -> int:
+    def initialize(
+        self, local_hostname: str, metadata_server: str, protocol: str, device_name: str
+    ) -> int:
         if self._engine is not None:
             return self._fail("initialize", RuntimeError("already initialized"))
         transports = _PROTOCOLS.get(protocol.lower())
@@ -75,8 +76,14 @@ class TransferEngine:
             return self._fail("initialize", exc)
         return 0
 
-    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,
-                       device_name: str, metadata_type: str) -> int:
+    def initialize_ext(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        protocol: str,
+        device_name: str,
+        metadata_type: str,
+    ) -> int:
         if metadata_type.lower() == "p2p":
             metadata_server = "P2PHANDSHAKE"
         elif metadata_type.lower() == "etcd" and "://" not in metadata_server:
@@ -110,13 +117,16 @@ class TransferEngine:
             return self._fail("unregister_memory", exc)
         return 0
 
-    def batch_register_memory(self, buffer_addresses: list[int], capacities: list[int],
-                              location: str = "*") -> int:
+    def batch_register_memory(
+        self, buffer_addresses: list[int], capacities: list[int], location: str = "*"
+    ) -> int:
         if len(buffer_addresses) != len(capacities):
             return self._fail("batch_register_memory", ValueError("lists differ in length"))
         try:
-            self.engine.register_many(zip(buffer_addresses, capacities),
-                                      location=_location(location) or "cpu:0")
+            self.engine.register_many(
+                zip(buffer_addresses, capacities, strict=True),
+                location=_location(location) or "cpu:0",
+            )
         except (MooncakeConnectorsError, ValueError) as exc:
             return self._fail("batch_register_memory", exc)
         return 0
@@ -158,35 +168,70 @@ class TransferEngine:
         return 0
 
     # -- transfers --------------------------------------------------------------------------
-    def _batch(self, op: TransferOp, target: str, buffers: list[int], peers: list[int],
-               lengths: list[int]) -> int:
+    def _batch(
+        self, op: TransferOp, target: str, buffers: list[int], peers: list[int], lengths: list[int]
+    ) -> int:
         if not len(buffers) == len(peers) == len(lengths):
-            return self._fail(f"batch_transfer_sync_{op.name.lower()}",
-                              ValueError("lists differ in length"))
-        reqs = [TransferRequest(op, target, b, p, n) for b, p, n in zip(buffers, peers, lengths)]
+            return self._fail(
+                f"batch_transfer_sync_{op.name.lower()}", ValueError("lists differ in length")
+            )
+        reqs = [
+            TransferRequest(op, target, b, p, n)
+            for b, p, n in zip(buffers, peers, lengths, strict=True)
+        ]
         try:
             self.engine.transfer(reqs)
         except MooncakeConnectorsError as exc:
             return self._fail(f"transfer {op.name} to {target}", exc)
         return 0
 
-    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
-                            length: int, transport_hint: str = "") -> int:
-        return self._batch(TransferOp.WRITE, target_hostname, [buffer], [peer_buffer_address], [length])
+    def transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        return self._batch(
+            TransferOp.WRITE, target_hostname, [buffer], [peer_buffer_address], [length]
+        )
 
-    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int,
-                           length: int, transport_hint: str = "") -> int:
-        return self._batch(TransferOp.READ, target_hostname, [buffer], [peer_buffer_address], [length])
+    def transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        return self._batch(
+            TransferOp.READ, target_hostname, [buffer], [peer_buffer_address], [length]
+        )
 
-    def batch_transfer_sync_write(self, target_hostname: str, buffers: list[int],
-                                  peer_buffer_addresses: list[int], lengths: list[int],
-                                  transport_hint: str = "") -> int:
-        return self._batch(TransferOp.WRITE, target_hostname, buffers, peer_buffer_addresses, lengths)
+    def batch_transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self._batch(
+            TransferOp.WRITE, target_hostname, buffers, peer_buffer_addresses, lengths
+        )
 
-    def batch_transfer_sync_read(self, target_hostname: str, buffers: list[int],
-                                 peer_buffer_addresses: list[int], lengths: list[int],
-                                 transport_hint: str = "") -> int:
-        return self._batch(TransferOp.READ, target_hostname, buffers, peer_buffer_addresses, lengths)
+    def batch_transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self._batch(
+            TransferOp.READ, target_hostname, buffers, peer_buffer_addresses, lengths
+        )
 
     def close(self) -> None:
         """Not in Mooncake's API (it frees on destruction); provided for tidy shutdown."""

@@ -84,7 +84,7 @@ def _target_main(kind: str, size: int, metadata: str) -> None:
 
         def serve(conn: socket.socket) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            mv = memoryview(arr)
+            mv = memoryview(arr.data)
             hdr = bytearray(17)
             try:
                 while True:
@@ -93,11 +93,11 @@ def _target_main(kind: str, size: int, metadata: str) -> None:
                     n = int.from_bytes(hdr[1:9], "little")
                     o = int.from_bytes(hdr[9:17], "little")
                     if hdr[0] == 0:  # read: send n bytes from offset o
-                        conn.sendall(mv[o:o + n])
+                        conn.sendall(mv[o : o + n])
                     else:  # write: receive n bytes at offset o, ack
                         got = 0
                         while got < n:
-                            got += conn.recv_into(mv[o + got:o + n], n - got, socket.MSG_WAITALL)
+                            got += conn.recv_into(mv[o + got : o + n], n - got, socket.MSG_WAITALL)
                         conn.sendall(b"k")
             except OSError:
                 return
@@ -118,12 +118,18 @@ def _target_main(kind: str, size: int, metadata: str) -> None:
 
 
 class _Target:
-    def __init__(self, kind: str, size: int, metadata: str, env: dict[str, str] | None = None) -> None:
-        code = ("import sys; from mooncake_connectors.transfer_core.bench import _target_main;"
-                "_target_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])")
+    def __init__(
+        self, kind: str, size: int, metadata: str, env: dict[str, str] | None = None
+    ) -> None:
+        code = (
+            "import sys; from mooncake_connectors.transfer_core.bench import _target_main;"
+            "_target_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])"
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, kind, str(size), metadata],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
             env={**os.environ, **(env or {})},
         )
         assert self.proc.stdout is not None
@@ -164,8 +170,11 @@ def _rate(fn: Callable[[], None], nbytes: int) -> float:
 
 
 def run_transfer_benchmark(
-    transports: list[str], rounds: int = 7, sizes: str = "64K,1M,16M,128M",
-    batch: str = "256x256K", with_mooncake: bool = True,
+    transports: list[str],
+    rounds: int = 7,
+    sizes: str = "64K,1M,16M,128M",
+    batch: str = "256x256K",
+    with_mooncake: bool = True,
 ) -> dict[str, Any]:
     import numpy as np
 
@@ -192,10 +201,13 @@ def run_transfer_benchmark(
             try:
                 import mooncake.engine  # noqa: F401
 
-                targets["mooncake"] = _Target("mooncake", span, meta.url,
-                                              env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+                targets["mooncake"] = _Target(
+                    "mooncake", span, meta.url, env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+                )
             except ImportError:
-                notes.append("mooncake wheel not installed: pip install mooncake-transfer-engine-non-cuda")
+                notes.append(
+                    "mooncake wheel not installed: pip install mooncake-transfer-engine-non-cuda"
+                )
         for t in transports:
             engines[t] = TransferEngine(EngineConfig(metadata=meta.url, transports=(t,))).start()
         # One local memfd buffer shared by all our engines (each registers it).
@@ -219,7 +231,7 @@ def run_transfer_benchmark(
         raw = socket.create_connection(("127.0.0.1", targets["raw"].info["port"]))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw_buf = np.full(span, 3, dtype=np.uint8)
-        raw_mv = memoryview(raw_buf)
+        raw_mv = memoryview(raw_buf.data)
         cp_src = np.full(span, 5, dtype=np.uint8)
         cp_dst = np.full(span, 6, dtype=np.uint8)
 
@@ -227,17 +239,22 @@ def run_transfer_benchmark(
         raddr = targets["ours"].info["addr"]
 
         def ours_case(e: TransferEngine, op: TransferOp, size: int) -> Callable[[], None]:
-            reqs = [[TransferRequest(op, seg, local.addr + o, raddr + o, size)]
-                    for o in _offsets(size, span)]
+            reqs = [
+                [TransferRequest(op, seg, local.addr + o, raddr + o, size)]
+                for o in _offsets(size, span)
+            ]
 
             def run() -> None:
                 for r in reqs:
                     e.transfer(r)
+
             return run
 
         def ours_batch(e: TransferEngine, op: TransferOp) -> Callable[[], None]:
-            reqs = [TransferRequest(op, seg, local.addr + i * batch_sz, raddr + i * batch_sz, batch_sz)
-                    for i in range(batch_n)]
+            reqs = [
+                TransferRequest(op, seg, local.addr + i * batch_sz, raddr + i * batch_sz, batch_sz)
+                for i in range(batch_n)
+            ]
             return lambda: e.transfer(reqs)
 
         def mc_case(op: TransferOp, size: int) -> Callable[[], None]:
@@ -252,12 +269,17 @@ def run_transfer_benchmark(
                 for o in offs:
                     if fn(tgt["segment"], la + o, tgt["addr"] + o, size) != 0:
                         raise RuntimeError("mooncake transfer failed")
+
             return run
 
         def mc_batch(op: TransferOp) -> Callable[[], None]:
             assert mc is not None and mc_local is not None
             tgt = targets["mooncake"].info
-            fn = mc.batch_transfer_sync_read if op is TransferOp.READ else mc.batch_transfer_sync_write
+            fn = (
+                mc.batch_transfer_sync_read
+                if op is TransferOp.READ
+                else mc.batch_transfer_sync_write
+            )
             la = int(mc_local.ctypes.data)
             locs = [la + i * batch_sz for i in range(batch_n)]
             rems = [tgt["addr"] + i * batch_sz for i in range(batch_n)]
@@ -266,12 +288,15 @@ def run_transfer_benchmark(
             def run() -> None:
                 if fn(tgt["segment"], locs, rems, lens) != 0:
                     raise RuntimeError("mooncake batch transfer failed")
+
             return run
 
         def raw_case(op: TransferOp, size: int) -> Callable[[], None]:
             code = bytes([0 if op is TransferOp.READ else 1])
-            hdrs = [(o, code + size.to_bytes(8, "little") + o.to_bytes(8, "little"))
-                    for o in _offsets(size, span)]
+            hdrs = [
+                (o, code + size.to_bytes(8, "little") + o.to_bytes(8, "little"))
+                for o in _offsets(size, span)
+            ]
             ack = bytearray(1)
 
             def run() -> None:
@@ -280,11 +305,13 @@ def run_transfer_benchmark(
                     if op is TransferOp.READ:
                         got = 0
                         while got < size:
-                            got += raw.recv_into(raw_mv[o + got:o + size], size - got,
-                                                 socket.MSG_WAITALL)
+                            got += raw.recv_into(
+                                raw_mv[o + got : o + size], size - got, socket.MSG_WAITALL
+                            )
                     else:
-                        raw.sendall(raw_mv[o:o + size])
+                        raw.sendall(raw_mv[o : o + size])
                         raw.recv_into(ack, 1)
+
             return run
 
         def memcpy_case(size: int) -> Callable[[], None]:
@@ -292,7 +319,8 @@ def run_transfer_benchmark(
 
             def run() -> None:
                 for o in offs:
-                    np.copyto(cp_dst[o:o + size], cp_src[o:o + size])
+                    np.copyto(cp_dst[o : o + size], cp_src[o : o + size])
+
             return run
 
         cases: list[tuple[str, str, Callable[[], None], int]] = []
@@ -326,8 +354,8 @@ def run_transfer_benchmark(
             e.close()
         if local is not None:
             local.close()
-        for t in targets.values():
-            t.close()
+        for tgt in targets.values():
+            tgt.close()
         meta.stop()
 
     table: dict[str, dict[str, float]] = {}
@@ -343,7 +371,9 @@ def run_transfer_benchmark(
             for other in ("mooncake_tcp", "raw_socket"):
                 if other in row:
                     r[f"{t}_vs_{other}"] = round(ours / row[other], 2)
-            copy = table.get(label.replace("READ", "COPY").replace("WRITE", "COPY"), {}).get("memcpy")
+            copy = table.get(label.replace("READ", "COPY").replace("WRITE", "COPY"), {}).get(
+                "memcpy"
+            )
             if copy:
                 r[f"{t}_vs_memcpy"] = round(ours / copy, 2)
         ratios[label] = r
@@ -351,8 +381,11 @@ def run_transfer_benchmark(
         "benchmark": "transfer",
         "unit": "GB/s (1e9 bytes/s), median of rounds",
         "rounds": rounds,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
         "results": table,
         "ratios": ratios,
         "notes": notes,

@@ -94,8 +94,11 @@ class Batch:
         with self._lock:
             self._left[i] -= 1
             if err is not None:
-                status = (TransferStatus.TIMEOUT if isinstance(err, TransferTimeout)
-                          else TransferStatus.FAILED)
+                status = (
+                    TransferStatus.TIMEOUT
+                    if isinstance(err, TransferTimeout)
+                    else TransferStatus.FAILED
+                )
                 self._finish(i, status, err)
             elif self._left[i] == 0:
                 self._finish(i, TransferStatus.COMPLETED, None)
@@ -239,8 +242,12 @@ class TransferEngine:
         if cfg.metrics_port is not None:
             metrics.serve(cfg.host, cfg.metrics_port)
         threading.Thread(target=self._watchdog, name="mc-engine-watchdog", daemon=True).start()
-        log.info("segment %s up: transports %s, metadata %s", self._name,
-                 [t.name for t in self.transports], cfg.metadata)
+        log.info(
+            "segment %s up: transports %s, metadata %s",
+            self._name,
+            [t.name for t in self.transports],
+            cfg.metadata,
+        )
         return self
 
     def _open_metadata(self) -> MetadataBackend:
@@ -316,8 +323,9 @@ class TransferEngine:
         self.close()
 
     # -- memory -----------------------------------------------------------------------------
-    def register(self, buffer: Any, *, location: str | None = None,
-                 access: Access | None = None) -> Region:
+    def register(
+        self, buffer: Any, *, location: str | None = None, access: Access | None = None
+    ) -> Region:
         """Register a numpy array, torch tensor, SharedBuffer or buffer-protocol object."""
         try:
             region = self.local.add(buffer_region(buffer, location=location, access=access))
@@ -326,18 +334,35 @@ class TransferEngine:
         self._publish()
         return region
 
-    def register_raw(self, addr: int, length: int, *, location: str = "cpu:0",
-                     access: Access = Access.READ_WRITE, owner: Any = None) -> Region:
+    def register_raw(
+        self,
+        addr: int,
+        length: int,
+        *,
+        location: str = "cpu:0",
+        access: Access = Access.READ_WRITE,
+        owner: Any = None,
+    ) -> Region:
         """Register memory the host engine owns, by address; keep it alive while registered."""
-        return self.register_many([(addr, length)], location=location, access=access, owner=owner)[0]
+        return self.register_many([(addr, length)], location=location, access=access, owner=owner)[
+            0
+        ]
 
-    def register_many(self, ranges: Iterable[tuple[int, int]], *, location: str = "cpu:0",
-                      access: Access = Access.READ_WRITE, owner: Any = None) -> list[Region]:
+    def register_many(
+        self,
+        ranges: Iterable[tuple[int, int]],
+        *,
+        location: str = "cpu:0",
+        access: Access = Access.READ_WRITE,
+        owner: Any = None,
+    ) -> list[Region]:
         """Register several raw ranges with one descriptor update."""
         out = []
         try:
             for addr, length in ranges:
-                out.append(self.local.add(Region(int(addr), int(length), location, access, owner=owner)))
+                out.append(
+                    self.local.add(Region(int(addr), int(length), location, access, owner=owner))
+                )
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         finally:
@@ -389,8 +414,13 @@ class TransferEngine:
         return desc
 
     # -- transfers --------------------------------------------------------------------------
-    def submit(self, requests: Sequence[TransferRequest], timeout: float | None = None,
-               *, _inline: bool = False) -> Batch:
+    def submit(
+        self,
+        requests: Sequence[TransferRequest],
+        timeout: float | None = None,
+        *,
+        _inline: bool = False,
+    ) -> Batch:
         """Start every request; returns at once. Check per-request status on the Batch."""
         if not self._started or self._closed:
             raise TransportClosed("engine is not running")
@@ -413,8 +443,14 @@ class TransferEngine:
             lane0 = next(self._rr)
             for k in range(n):
                 off = k * slice_size
-                s = _Slice(req.op, req.local_addr + off, req.remote_addr + off,
-                           min(slice_size, req.length - off), deadline, self._on_slice)
+                s = _Slice(
+                    req.op,
+                    req.local_addr + off,
+                    req.remote_addr + off,
+                    min(slice_size, req.length - off),
+                    deadline,
+                    self._on_slice,
+                )
                 s.batch, s.index, s.peer, s.region, s.transport = batch, i, peer, region, transport
                 s.local_mv = local.slice(s.local_addr, s.length)
                 s.lane = lanes[(lane0 + k) % len(lanes)]
@@ -445,16 +481,21 @@ class TransferEngine:
             if local is None:
                 raise AccessViolation(
                     f"local range {req.local_addr:#x}+{length} is not registered with this engine",
-                    peer=req.target, path="local")
+                    peer=req.target,
+                    path="local",
+                )
             if op is TransferOp.READ and not local.writable:
-                raise AccessViolation("READ destination is read-only local memory",
-                                      peer=req.target, path="local")
+                raise AccessViolation(
+                    "READ destination is read-only local memory", peer=req.target, path="local"
+                )
         try:
             pv = self._view(req.target)
         except SegmentNotFound:
             raise
         except MetadataError as exc:
-            raise TransportBroken(f"cannot look up segment: {exc.message}", peer=req.target) from exc
+            raise TransportBroken(
+                f"cannot look up segment: {exc.message}", peer=req.target
+            ) from exc
         need = _READ if op is TransferOp.READ else _WRITE
         span = length or 1
         region = pv.find(req.remote_addr, span)
@@ -465,20 +506,27 @@ class TransferEngine:
             if region is None:
                 raise AccessViolation(
                     f"{req.remote_addr:#x}+{length} is not inside a registered region",
-                    peer=req.target)
+                    peer=req.target,
+                )
             if not need & region.access:
                 raise AccessViolation(
-                    f"region at {region.addr:#x} does not allow {op.name}", peer=req.target)
+                    f"region at {region.addr:#x} does not allow {op.name}", peer=req.target
+                )
         peer = pv.desc
         routes = pv.routes.get(region.addr)
         if routes is None:
-            routes = [(t, list(range(t.lanes(peer)))) for t in self.transports
-                      if t.reachable(peer, region)]
+            routes = [
+                (t, list(range(t.lanes(peer))))
+                for t in self.transports
+                if t.reachable(peer, region)
+            ]
             pv.routes[region.addr] = routes
         if not routes:
             raise NoPathAvailable(
                 f"no enabled transport ({[t.name for t in self.transports]}) reaches "
-                f"{region.location} memory of this peer", peer=req.target)
+                f"{region.location} memory of this peer",
+                peer=req.target,
+            )
         if not self.health.any_failing():
             t, lanes = routes[0]
             return peer, region, t, lanes, local
@@ -511,9 +559,12 @@ class TransferEngine:
             s.batch._slice_done(s.index, err)
 
     def _retryable(self, s: _Slice, err: MooncakeConnectorsError) -> bool:
-        return (isinstance(err, TransportBroken) and not self._closed
-                and time.monotonic() < s.deadline and s.batch._status[s.index]
-                is TransferStatus.PENDING)
+        return (
+            isinstance(err, TransportBroken)
+            and not self._closed
+            and time.monotonic() < s.deadline
+            and s.batch._status[s.index] is TransferStatus.PENDING
+        )
 
     def _retry(self, s: _Slice, err: MooncakeConnectorsError) -> None:
         """Move ``s`` to another usable path, or wait for one to cool down, within its deadline."""
@@ -522,10 +573,14 @@ class TransferEngine:
         for t in self.transports:
             if t.reachable(s.peer, s.region):
                 options.extend((t, ln) for ln in range(t.lanes(s.peer)))
-        fresh = [(t, ln) for t, ln in options if (t.name, ln) not in s.tried
-                 and self.health.usable((s.peer.name, t.name, ln), now)]
-        usable = fresh or [(t, ln) for t, ln in options
-                           if self.health.usable((s.peer.name, t.name, ln), now)]
+        fresh = [
+            (t, ln)
+            for t, ln in options
+            if (t.name, ln) not in s.tried and self.health.usable((s.peer.name, t.name, ln), now)
+        ]
+        usable = fresh or [
+            (t, ln) for t, ln in options if self.health.usable((s.peer.name, t.name, ln), now)
+        ]
         if usable:
             t, ln = usable[0]
             self._resubmit(s, t, ln)
@@ -541,10 +596,14 @@ class TransferEngine:
         with self._watch_lock:
             s._done = True
         tried = ", ".join(f"{t} lane {ln}" for t, ln in sorted(s.tried))
-        s.batch._slice_done(s.index, TransportBroken(
-            f"every path failed before the deadline (tried {tried}); last error: {err}",
-            peer=s.peer.name, path=s.path,
-        ))
+        s.batch._slice_done(
+            s.index,
+            TransportBroken(
+                f"every path failed before the deadline (tried {tried}); last error: {err}",
+                peer=s.peer.name,
+                path=s.path,
+            ),
+        )
 
     def _resubmit(self, s: _Slice, t: Transport, lane: int) -> None:
         if self._closed:
@@ -590,10 +649,14 @@ class TransferEngine:
                     self._watch_cv.wait(min(max(wait, 0.001), _WATCH_PERIOD))
                     continue
             for s in expired:
-                s.batch._slice_done(s.index, TransferTimeout(
-                    f"{s.op.name} of {s.length} bytes missed its deadline", peer=s.peer.name,
-                    path=s.path,
-                ))
+                s.batch._slice_done(
+                    s.index,
+                    TransferTimeout(
+                        f"{s.op.name} of {s.length} bytes missed its deadline",
+                        peer=s.peer.name,
+                        path=s.path,
+                    ),
+                )
                 s.transport.abort(s.peer.name, s.lane)
 
     # -- sync helpers -----------------------------------------------------------------------
@@ -603,15 +666,29 @@ class TransferEngine:
         batch.wait()
         batch.raise_for_status()
 
-    def read(self, target: str, local_addr: int, remote_addr: int, length: int,
-             timeout: float | None = None) -> None:
-        self.transfer([TransferRequest(TransferOp.READ, target, local_addr, remote_addr, length)],
-                      timeout)
+    def read(
+        self,
+        target: str,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        timeout: float | None = None,
+    ) -> None:
+        self.transfer(
+            [TransferRequest(TransferOp.READ, target, local_addr, remote_addr, length)], timeout
+        )
 
-    def write(self, target: str, local_addr: int, remote_addr: int, length: int,
-              timeout: float | None = None) -> None:
-        self.transfer([TransferRequest(TransferOp.WRITE, target, local_addr, remote_addr, length)],
-                      timeout)
+    def write(
+        self,
+        target: str,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        timeout: float | None = None,
+    ) -> None:
+        self.transfer(
+            [TransferRequest(TransferOp.WRITE, target, local_addr, remote_addr, length)], timeout
+        )
 
 
 __all__ = ["Batch", "TransferEngine", "TransferError", "TransferRequest"]

@@ -25,14 +25,14 @@ class PathHealth:
         return until is None or (now if now is not None else time.monotonic()) >= until
 
     def ready_at(self, key: tuple[str, str, int]) -> float:
-        return self._until.get(key, 0.0)
+        return float(self._until.get(key, 0.0))
 
     def failed(self, key: tuple[str, str, int]) -> float:
         """Record a failure; return the cool-down applied (seconds)."""
         with self._lock:
             n = self._failures.get(key, 0) + 1
             self._failures[key] = n
-            delay = min(self.maximum, self.initial * (2 ** (n - 1)))
+            delay = min(self.maximum, self.initial * 2.0 ** (n - 1))
             self._until[key] = time.monotonic() + delay
             return delay
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -52,11 +53,9 @@ class SharedBuffer:
             return
         self.closed = True
         del self.array
-        try:
+        # A view may still be alive somewhere; then the mapping goes with its last view.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:
-            # A view is still alive somewhere; the mapping goes when its last view does.
-            pass
         os.close(self.fd)
 
     def __enter__(self) -> SharedBuffer:
@@ -93,7 +92,7 @@ class Region:
 
     def slice(self, addr: int, length: int) -> memoryview:
         off = addr - self.addr
-        return self.mv[off:off + length]
+        return self.mv[off : off + length]
 
     def to_desc(self) -> RegionDesc:
         return RegionDesc(
@@ -162,8 +161,12 @@ def buffer_region(
             raise ConfigError("a read-only buffer cannot be registered with WRITE access")
         rights = access
     return Region(
-        int(arr.ctypes.data), int(arr.nbytes), location or "cpu:0", rights,
-        writable=writable, owner=arr,
+        int(arr.ctypes.data),
+        int(arr.nbytes),
+        location or "cpu:0",
+        rights,
+        writable=writable,
+        owner=arr,
     )
 
 

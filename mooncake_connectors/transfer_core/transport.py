@@ -112,7 +112,9 @@ class Transport(abc.ABC):
         return 1
 
     @abc.abstractmethod
-    def submit(self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False) -> None:
+    def submit(
+        self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
+    ) -> None:
         """Start moving ``slices`` (each with ``lane`` set).
 
         Without ``inline_ok`` this must not block on bulk I/O. With it the caller is about to

@@ -11,4 +11,6 @@ def from_status(status: int, message: str, *, peer: str, path: str) -> MooncakeC
         return AccessViolation(f"peer refused access: {message}", peer=peer, path=path)
     if status == wire.ST_PROTOCOL:
         return ProtocolError(f"peer reported a protocol error: {message}", peer=peer, path=path)
-    return TransportBroken(f"peer failed the request (status {status}): {message}", peer=peer, path=path)
+    return TransportBroken(
+        f"peer failed the request (status {status}): {message}", peer=peer, path=path
+    )

@@ -41,7 +41,8 @@ class EtcdMetadata(MetadataBackend):
             import etcd3
         except ImportError as exc:
             raise ConfigError(
-                "the etcd metadata backend needs python3-etcd3: pip install 'mooncake-connectors[etcd]'"
+                "the etcd metadata backend needs python3-etcd3: "
+                "pip install 'mooncake-connectors[etcd]'"
             ) from exc
         self._etcd3: Any = etcd3
         self.url = url
@@ -73,7 +74,9 @@ class EtcdMetadata(MetadataBackend):
             try:
                 result = fn(self._client(i))
             except Exception as exc:  # grpc and etcd3 errors: map once, here
-                errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(exc).__name__}: {exc}")
+                errors.append(
+                    f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(exc).__name__}: {exc}"
+                )
                 continue
             if i != start:
                 with self._lock:

@@ -63,7 +63,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         q = {k: v[0] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
         return url.path, q
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+    def do_GET(self) -> None:
         r = self._route()
         if r is None:
             return
@@ -84,7 +84,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(400, b"give ?key= or ?prefix=", "text/plain")
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         r = self._route()
         if r is None:
             return
@@ -109,7 +109,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.store[q["key"]] = body
         self._reply(200)
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         r = self._route()
         if r is None:
             return
@@ -135,7 +135,11 @@ class MetadataHTTPServer:
     """The embedded metadata server; ``start()`` serves in a background thread."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 8080, *, path: str = "/metadata",
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        *,
+        path: str = "/metadata",
         token: str | None = None,
     ) -> None:
         if not path.startswith("/"):
@@ -153,8 +157,10 @@ class MetadataHTTPServer:
 
     def start(self) -> MetadataHTTPServer:
         self._thread = threading.Thread(
-            target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
-            name="mc-metadata-http", daemon=True,
+            target=self._srv.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="mc-metadata-http",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -198,7 +204,9 @@ class HttpClient:
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
 
-    def request(self, method: str, query: dict[str, str], body: bytes | None = None) -> tuple[int, bytes]:
+    def request(
+        self, method: str, query: dict[str, str], body: bytes | None = None
+    ) -> tuple[int, bytes]:
         target = f"{self.path}?{urllib.parse.urlencode(query)}"
         headers = {"Content-Length": str(len(body or b""))}
         if self.token:
@@ -206,7 +214,9 @@ class HttpClient:
         with self._lock:
             for attempt in (0, 1):  # one reconnect: a kept-alive connection may have gone stale
                 if self._conn is None:
-                    self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                    self._conn = http.client.HTTPConnection(
+                        self.host, self.port, timeout=self.timeout
+                    )
                 try:
                     self._conn.request(method, target, body=body, headers=headers)
                     resp = self._conn.getresponse()

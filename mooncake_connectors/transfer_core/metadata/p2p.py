@@ -20,8 +20,14 @@ from .http import HttpClient, MetadataHTTPServer
 class P2PMetadata(MetadataBackend):
     scheme = "p2p"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 5.0,
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout: float = 5.0,
+        token: str | None = None,
+    ) -> None:
         self.server = MetadataHTTPServer(host, port, path="/metadata", token=token).start()
         self.host = host
         self.timeout = timeout
@@ -61,12 +67,16 @@ class P2PMetadata(MetadataBackend):
         with self._lock:
             client = self._clients.get(name)
             if client is None:
-                client = HttpClient(f"http://{name}/metadata", timeout=self.timeout, token=self.token)
+                client = HttpClient(
+                    f"http://{name}/metadata", timeout=self.timeout, token=self.token
+                )
                 self._clients[name] = client
         try:
             status, data = client.request("GET", {"key": SEGMENT_PREFIX + name})
         except MetadataError as exc:
-            raise SegmentNotFound(f"peer {name} does not answer: {exc.message}", segment=name) from exc
+            raise SegmentNotFound(
+                f"peer {name} does not answer: {exc.message}", segment=name
+            ) from exc
         if status == 404:
             raise SegmentNotFound(f"peer {name} publishes no segment of that name", segment=name)
         if status != 200:

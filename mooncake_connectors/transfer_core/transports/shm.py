@@ -15,6 +15,7 @@ transport reports the region unreachable and the engine uses tcp (logged at debu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -42,8 +43,14 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _vm_read = _libc.process_vm_readv
 _vm_write = _libc.process_vm_writev
 for _f in (_vm_read, _vm_write):
-    _f.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    _f.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     _f.restype = ctypes.c_ssize_t
 
 
@@ -149,7 +156,9 @@ class ShmTransport(Transport):
         return self._mapping(int(pid_s), int(fd_s), int(ino_s))
 
     # -- data path --------------------------------------------------------------------------
-    def submit(self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False) -> None:
+    def submit(
+        self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
+    ) -> None:
         if self._closed:
             for s in slices:
                 s.complete(TransportClosed("shm transport closed", peer=peer.name))
@@ -218,7 +227,8 @@ class ShmTransport(Transport):
         if region is None or need & ~Access(region.access):
             raise AccessViolation(
                 f"{s.remote_addr:#x}+{s.length} is not a registered {need.name} range of the peer",
-                peer=peer.name, path=s.path,
+                peer=peer.name,
+                path=s.path,
             )
         if peer.pid == os.getpid():
             src, dst = (s.local_addr, s.remote_addr) if write else (s.remote_addr, s.local_addr)
@@ -242,10 +252,8 @@ class ShmTransport(Transport):
             self._maps.clear()
         for m in maps:
             del m._pin
-            try:
+            with contextlib.suppress(BufferError):
                 m.mm.close()
-            except BufferError:
-                pass
         if self._epoch_map is not None:
             self._epoch_map.close()
             self._epoch_map = None

@@ -10,14 +10,15 @@ the engine can move them elsewhere.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
-import time
 import logging
 import os
 import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 from ...errors import (
@@ -34,7 +35,7 @@ from ...plugins import hookimpl
 from ...types import Access, TransferOp
 from .. import wire_errors
 from ..descriptor import RegionDesc, SegmentDesc
-from ..memory import Region, view
+from ..memory import Region
 from ..transport import Slice, Transport, TransportContext
 from . import wire
 
@@ -74,14 +75,20 @@ def open_connection(ctx: TransportContext, peer: str, addr: str, path: str) -> s
         wire.recv_exact(sock, memoryview(hello))
         magic, version, flags, _, nonce = wire.HELLO.unpack(hello)
         if magic != wire.MAGIC:
-            raise ProtocolError("peer is not a mooncake-connectors tcp endpoint", peer=peer, path=path)
+            raise ProtocolError(
+                "peer is not a mooncake-connectors tcp endpoint", peer=peer, path=path
+            )
         if version != wire.VERSION:
-            raise ProtocolError(f"peer speaks protocol version {version}, we speak {wire.VERSION}",
-                                peer=peer, path=path)
+            raise ProtocolError(
+                f"peer speaks protocol version {version}, we speak {wire.VERSION}",
+                peer=peer,
+                path=path,
+            )
         token = cfg.auth_token if flags & wire.FLAG_AUTH else None
         if flags & wire.FLAG_AUTH and not token:
-            raise AuthenticationError("peer requires a token and none is configured",
-                                      peer=peer, path=path)
+            raise AuthenticationError(
+                "peer requires a token and none is configured", peer=peer, path=path
+            )
         sock.sendall(wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, wire.mac(token, nonce)))
         verdict = bytearray(wire.VERDICT.size)
         wire.recv_exact(sock, memoryview(verdict))
@@ -89,7 +96,9 @@ def open_connection(ctx: TransportContext, peer: str, addr: str, path: str) -> s
         if status == wire.VERDICT_BAD_TOKEN:
             raise AuthenticationError("peer rejected our token", peer=peer, path=path)
         if status != wire.VERDICT_OK:
-            raise ProtocolError(f"peer refused the connection (status {status})", peer=peer, path=path)
+            raise ProtocolError(
+                f"peer refused the connection (status {status})", peer=peer, path=path
+            )
         sock.settimeout(None)
     except OSError as exc:
         sock.close()
@@ -108,15 +117,20 @@ def frame(batch: Sequence[Slice], ids: Iterator[int]) -> tuple[list[memoryview |
         rid = next(ids)
         rids.append(rid)
         if b.op is TransferOp.WRITE:
-            bufs.append(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, b.remote_addr, b.length))
+            bufs.append(
+                wire.REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, b.remote_addr, b.length)
+            )
             bufs.append(b.local_view())
         else:
-            bufs.append(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ, 0, 0, rid, b.remote_addr, b.length))
+            bufs.append(
+                wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ, 0, 0, rid, b.remote_addr, b.length)
+            )
     return bufs, rids
 
 
-def finish_response(sock: socket.socket, hdr: bytearray, s: Slice, want: int, peer: str,
-                    path: str) -> MooncakeConnectorsError | None:
+def finish_response(
+    sock: socket.socket, hdr: bytearray, s: Slice, want: int, peer: str, path: str
+) -> MooncakeConnectorsError | None:
     """Given a response header already in ``hdr``, read the rest for ``s`` (READ data lands in
     place). Returns the peer's error, if any; raises ProtocolError/OSError on a broken stream."""
     magic, status, _, _, rid, length = wire.RESP.unpack(hdr)
@@ -151,7 +165,9 @@ class _Lane:
         self.sock: socket.socket | None = None
         self.broken: MooncakeConnectorsError | None = None
         self.ids = itertools.count(1)
-        self.sender = threading.Thread(target=self._send_loop, name=f"mc-tcp-send-{index}", daemon=True)
+        self.sender = threading.Thread(
+            target=self._send_loop, name=f"mc-tcp-send-{index}", daemon=True
+        )
         self.sender.start()
 
     def _connect(self) -> socket.socket:
@@ -165,7 +181,9 @@ class _Lane:
             self._break(exc)
             self._drain_queue()
             return
-        threading.Thread(target=self._recv_loop, name=f"mc-tcp-recv-{self.index}", daemon=True).start()
+        threading.Thread(
+            target=self._recv_loop, name=f"mc-tcp-recv-{self.index}", daemon=True
+        ).start()
         sock = self.sock
         while True:
             s = self.q.get()
@@ -193,7 +211,7 @@ class _Lane:
             return
         with self.lock:
             bufs, rids = frame(batch, self.ids)
-            self.inflight.extend(zip(rids, batch))
+            self.inflight.extend(zip(rids, batch, strict=True))
         try:
             wire.sendmsg_all(sock, bufs)
         except OSError as exc:
@@ -235,8 +253,9 @@ class _Lane:
                 # there until its payload has landed: a break mid-payload must fail it too.
                 with self.lock:
                     if not self.inflight:
-                        raise ProtocolError("response without a request", peer=self.peer,
-                                            path=self.path)
+                        raise ProtocolError(
+                            "response without a request", peer=self.peer, path=self.path
+                        )
                     want, s = self.inflight[0]
                 err = finish_response(sock, hdr, s, want, self.peer, self.path)
                 with self.lock:
@@ -256,10 +275,8 @@ class _Lane:
             self.inflight.clear()
         self.owner._forget(self)
         if self.sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         for _, s in failed:
             s.complete(err)
         self.q.put(None)  # wake the sender so it drains and exits
@@ -298,14 +315,20 @@ class _Server:
                     conn.close()
                     return
                 self.conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
-                             name="mc-tcp-serve", daemon=True).start()
+            threading.Thread(
+                target=self._serve,
+                args=(conn, f"{peer[0]}:{peer[1]}"),
+                name="mc-tcp-serve",
+                daemon=True,
+            ).start()
 
     def _handshake(self, conn: socket.socket) -> bool:
         token = self.ctx.config.auth_token
         nonce = os.urandom(16)
         conn.settimeout(self.ctx.config.connect_timeout)
-        conn.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_AUTH if token else 0, 0, nonce))
+        conn.sendall(
+            wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_AUTH if token else 0, 0, nonce)
+        )
         buf = bytearray(wire.AUTH.size)
         wire.recv_exact(conn, memoryview(buf))
         magic, version, _, their_mac = wire.AUTH.unpack(buf)
@@ -354,8 +377,13 @@ class _Server:
                     continue
                 need = _READ if op == wire.OP_READ else _WRITE
                 try:
-                    if (last is None or local.epoch != last_epoch or addr < lo
-                            or addr + length > hi or not need & rights):
+                    if (
+                        last is None
+                        or local.epoch != last_epoch
+                        or addr < lo
+                        or addr + length > hi
+                        or not need & rights
+                    ):
                         last_epoch = local.epoch
                         last = local.check(addr, length, Access(need), who=who)
                         lo, hi, rights = last.addr, last.addr + last.length, int(last.access)
@@ -377,8 +405,9 @@ class _Server:
                     head = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length)
                     k = conn.sendmsg((head, data))
                     if k != length + len(head):  # interrupted: finish what is left
-                        wire.sendmsg_all(conn, [head[k:], data] if k < len(head)
-                                         else [data[k - len(head):]])
+                        wire.sendmsg_all(
+                            conn, [head[k:], data] if k < len(head) else [data[k - len(head) :]]
+                        )
                 else:
                     k = conn.recv_into(data, length, _WAITALL) if length else 0
                     if k != length:
@@ -395,16 +424,12 @@ class _Server:
         with self.lock:
             self.closed = True
             conns = list(self.conns)
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 def _consteq(a: bytes, b: bytes) -> bool:
@@ -476,7 +501,9 @@ class TcpTransport(Transport):
     def lanes(self, peer: SegmentDesc) -> int:
         return self.ctx.config.tcp_lanes
 
-    def submit(self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False) -> None:
+    def submit(
+        self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
+    ) -> None:
         addr = peer.endpoints["tcp"]
         if inline_ok and not self._closed:
             self._run_direct(peer, addr, slices)
@@ -543,14 +570,15 @@ class TcpTransport(Transport):
                 _kernel_timeout(sock, deadline - time.monotonic())
                 bufs, rids = frame(chunk, conn.ids)
                 wire.sendmsg_all(sock, bufs)
-                for s, rid in zip(chunk, rids):
+                for s, rid in zip(chunk, rids, strict=True):
                     wire.recv_exact(sock, memoryview(conn.hdr))
                     result = finish_response(sock, conn.hdr, s, rid, peer.name, conn.path)
                     done += 1
                     s.complete(result)
         except (TimeoutError, BlockingIOError):
-            err = TransferTimeout("deadline passed on a direct tcp connection",
-                                  peer=peer.name, path=conn.path)
+            err = TransferTimeout(
+                "deadline passed on a direct tcp connection", peer=peer.name, path=conn.path
+            )
         except (OSError, ConnectionError) as exc:
             err = TransportBroken(f"connection lost: {exc}", peer=peer.name, path=conn.path)
         except MooncakeConnectorsError as exc:
@@ -575,8 +603,11 @@ class TcpTransport(Transport):
     def abort(self, peer_name: str, lane: int) -> None:
         ln = self._lanes.get((peer_name, lane))
         if ln is not None:
-            ln._break(TransportBroken("lane aborted after a missed deadline",
-                                      peer=peer_name, path=ln.path))
+            ln._break(
+                TransportBroken(
+                    "lane aborted after a missed deadline", peer=peer_name, path=ln.path
+                )
+            )
 
     def close(self) -> None:
         with self._lock:
