@@ -74,6 +74,9 @@ class EtcdMetadata(MetadataBackend):
             try:
                 result = fn(self._client(i))
             except Exception as exc:  # grpc and etcd3 errors: map once, here
+                # etcd3 marks a node failed for good after an error; a new client recovers once
+                # the endpoint is back.
+                self._drop(i)
                 errors.append(
                     f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(exc).__name__}: {exc}"
                 )
@@ -99,18 +102,22 @@ class EtcdMetadata(MetadataBackend):
         n = len(self.prefix)
         return {meta.key.decode()[n:]: bytes(value) for value, meta in items}
 
+    def _drop(self, i: int) -> None:
+        c = self._clients.pop(i, None)
+        if c is not None:
+            try:
+                c.close()
+            except Exception as exc:  # a broken channel may fail to close; nothing to do
+                log.debug("closing etcd client: %s", exc)
+
     @property
     def raw(self) -> Any:
         """The underlying etcd3 client of the endpoint in use (leases, elections, watches)."""
         return self._client(self._current)
 
     def close(self) -> None:
-        for c in self._clients.values():
-            try:
-                c.close()
-            except Exception as exc:  # closing a broken channel must not mask the caller's error
-                log.debug("closing etcd client: %s", exc)
-        self._clients.clear()
+        for i in list(self._clients):
+            self._drop(i)
 
 
 @hookimpl

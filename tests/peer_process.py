@@ -1,0 +1,82 @@
+"""A TransferEngine in its own process, for cross-process tests (see helpers.Peer)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import pattern  # noqa: E402
+
+from mooncake_connectors.config import EngineConfig  # noqa: E402
+from mooncake_connectors.transfer_core import TransferEngine  # noqa: E402
+from mooncake_connectors.transfer_core.memory import view  # noqa: E402
+from mooncake_connectors.types import Access  # noqa: E402
+
+
+def main() -> None:
+    engine: TransferEngine | None = None
+    keep: dict[int, Any] = {}
+    for line in sys.stdin:
+        msg = json.loads(line)
+        cmd = msg.pop("cmd")
+        try:
+            if cmd == "start":
+                cfg = EngineConfig(**{k: tuple(v) if k == "transports" else v
+                                      for k, v in msg.items()})
+                engine = TransferEngine(cfg).start()
+                reply: dict[str, Any] = {"segment": engine.segment_name, "pid": os.getpid()}
+            elif cmd == "alloc":
+                assert engine is not None
+                kind, size, seed = msg["kind"], msg["size"], msg.get("seed", 0)
+                if kind == "memfd":
+                    buf = engine.allocate_buffer(size)
+                    buf.array[:] = pattern(seed, size)
+                    addr = buf.addr
+                else:
+                    arr = pattern(seed, size)
+                    access = Access.READ if kind == "readonly" else Access.READ_WRITE
+                    engine.register(arr, access=access)
+                    addr = int(arr.ctypes.data)
+                    keep[addr] = arr
+                reply = {"addr": addr}
+            elif cmd == "digest":
+                data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
+                reply = {"sha": hashlib.sha256(data).hexdigest()}
+            elif cmd == "close_transport":
+                assert engine is not None
+                for t in engine.transports:
+                    if t.name == msg["name"]:
+                        t.close()
+                reply = {}
+            elif cmd == "drop_connections":
+                assert engine is not None
+                for t in engine.transports:
+                    server = getattr(t, "_server", None)
+                    if server is not None:
+                        for c in list(server.conns):
+                            c.shutdown(2)
+                reply = {}
+            elif cmd == "quit":
+                if engine is not None:
+                    engine.close()
+                print(json.dumps({}), flush=True)
+                return
+            else:
+                reply = {"error": f"unknown command {cmd}"}
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    _ = np  # numpy imported for pattern()

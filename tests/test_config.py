@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+
+from mooncake_connectors.config import EngineConfig, engine_config_from_env
+from mooncake_connectors.errors import ConfigError
+
+
+def test_defaults_bind_loopback() -> None:
+    cfg = EngineConfig()
+    assert cfg.host == "127.0.0.1"
+    assert cfg.metadata.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"port": 70000},
+        {"host": ""},
+        {"tcp_lanes": 0},
+        {"slice_size": 100},
+        {"transports": ()},
+        {"transports": ("tcp", "tcp")},
+        {"auth_token": "short"},
+        {"timeout": 0},
+        {"backoff_initial": 10.0, "backoff_max": 1.0},
+        {"metadata": ""},
+    ],
+)
+def test_bad_values_raise_config_error(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_env_names_ours_then_mooncakes() -> None:
+    env = {
+        "MC_TCP_BIND_ADDRESS": "127.0.0.2",
+        "MOONCAKE_TE_META_DATA_SERVER": "etcd://127.0.0.1:2379",
+        "MOONCAKE_CONNECTORS_TRANSPORTS": "tcp",
+        "MOONCAKE_CONNECTORS_TCP_LANES": "2",
+    }
+    cfg = engine_config_from_env(env)
+    assert cfg.host == "127.0.0.2"
+    assert cfg.metadata == "etcd://127.0.0.1:2379"
+    assert cfg.transports == ("tcp",)
+    assert cfg.tcp_lanes == 2
+    env["MOONCAKE_CONNECTORS_HOST"] = "127.0.0.3"  # ours wins over Mooncake's name
+    assert engine_config_from_env(env).host == "127.0.0.3"
+    assert engine_config_from_env(env, tcp_lanes=8).tcp_lanes == 8
+
+
+def test_env_bad_number_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="MOONCAKE_CONNECTORS_TCP_LANES"):
+        engine_config_from_env({"MOONCAKE_CONNECTORS_TCP_LANES": "many"})
