@@ -44,8 +44,12 @@ def test_killed_peer_fails_within_deadline(meta: MetadataHTTPServer) -> None:
         remote = peer.call("alloc", kind="numpy", size=64 * MiB)["addr"]
         buf = e.allocate_buffer(64 * MiB)
         e.read(peer.segment, buf.addr, remote, MiB)  # connected and working
-        reqs = [TransferRequest(TransferOp.READ, peer.segment, buf.addr + i * MiB,
-                                remote + i * MiB, MiB) for i in range(64)]
+        reqs = [
+            TransferRequest(
+                TransferOp.READ, peer.segment, buf.addr + i * MiB, remote + i * MiB, MiB
+            )
+            for i in range(64)
+        ]
         batch = e.submit(reqs)
         peer.kill()
         t0 = time.monotonic()
@@ -79,8 +83,9 @@ def test_frozen_peer_times_out_over_tcp_but_shm_is_one_sided(meta: MetadataHTTPS
             tcp.read(peer.segment, b1.addr, remote, 4 * MiB, timeout=1.0)
         assert time.monotonic() - t0 < 2.5
         # async path too: the watchdog fails it and tears the lane down
-        batch = tcp.submit([TransferRequest(TransferOp.READ, peer.segment, b1.addr, remote,
-                                            4 * MiB)], timeout=1.0)
+        batch = tcp.submit(
+            [TransferRequest(TransferOp.READ, peer.segment, b1.addr, remote, 4 * MiB)], timeout=1.0
+        )
         assert batch.wait(3.0)
         assert batch.statuses == [TransferStatus.TIMEOUT]
         # shm needs nothing from the target's CPU: a stopped process is still readable
@@ -97,8 +102,9 @@ def test_frozen_peer_times_out_over_tcp_but_shm_is_one_sided(meta: MetadataHTTPS
 
 def test_broken_connections_fail_over_to_other_lanes(meta: MetadataHTTPServer) -> None:
     peer = Peer(metadata=meta.url, transports=["tcp"])
-    e = engine(meta.url, transports=("tcp",), timeout=30, slice_size=256 * 1024,
-               backoff_initial=0.01)
+    e = engine(
+        meta.url, transports=("tcp",), timeout=30, slice_size=256 * 1024, backoff_initial=0.01
+    )
     try:
         remote = peer.call("alloc", kind="memfd", size=128 * MiB)["addr"]
         buf = e.allocate_buffer(128 * MiB)
@@ -106,8 +112,9 @@ def test_broken_connections_fail_over_to_other_lanes(meta: MetadataHTTPServer) -
         for attempt in range(6):
             buf.array[:] = pattern(attempt, 128 * MiB)
             before = retries("tcp")
-            batch = e.submit([TransferRequest(TransferOp.WRITE, peer.segment, buf.addr, remote,
-                                              128 * MiB)])
+            batch = e.submit(
+                [TransferRequest(TransferOp.WRITE, peer.segment, buf.addr, remote, 128 * MiB)]
+            )
             peer.call("drop_connections")  # cut every connection while slices are in flight
             assert batch.wait(30)
             batch.raise_for_status()

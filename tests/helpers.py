@@ -60,11 +60,25 @@ class EtcdServer:
         c = f"http://127.0.0.1:{self.client_port}"
         p = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
-            [self.binary, "--name", "t", "--data-dir", self.dir,
-             "--listen-client-urls", c, "--advertise-client-urls", c,
-             "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-             "--initial-cluster", f"t={p}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                self.binary,
+                "--name",
+                "t",
+                "--data-dir",
+                self.dir,
+                "--listen-client-urls",
+                c,
+                "--advertise-client-urls",
+                c,
+                "--listen-peer-urls",
+                p,
+                "--initial-advertise-peer-urls",
+                p,
+                "--initial-cluster",
+                f"t={p}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
 
         def healthy() -> bool:
@@ -98,7 +112,9 @@ class Peer:
     def __init__(self, **start: Any) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER_SCRIPT)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.info = self.call("start", **start)
         self.segment: str = self.info["segment"]

@@ -13,12 +13,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import pattern  # noqa: E402
+from helpers import pattern
 
-from mooncake_connectors.config import EngineConfig  # noqa: E402
-from mooncake_connectors.transfer_core import TransferEngine  # noqa: E402
-from mooncake_connectors.transfer_core.memory import view  # noqa: E402
-from mooncake_connectors.types import Access  # noqa: E402
+from mooncake_connectors.config import EngineConfig
+from mooncake_connectors.transfer_core import TransferEngine
+from mooncake_connectors.transfer_core.memory import view
+from mooncake_connectors.types import Access
 
 
 def main() -> None:
@@ -29,8 +29,9 @@ def main() -> None:
         cmd = msg.pop("cmd")
         try:
             if cmd == "start":
-                cfg = EngineConfig(**{k: tuple(v) if k == "transports" else v
-                                      for k, v in msg.items()})
+                cfg = EngineConfig(
+                    **{k: tuple(v) if k == "transports" else v for k, v in msg.items()}
+                )
                 engine = TransferEngine(cfg).start()
                 reply: dict[str, Any] = {"segment": engine.segment_name, "pid": os.getpid()}
             elif cmd == "alloc":

@@ -13,7 +13,12 @@ from mooncake_connectors.types import Access
 def test_buffers_of_every_kind() -> None:
     arr = np.arange(100, dtype=np.uint32)
     r = buffer_region(arr)
-    assert (r.addr, r.length, r.access, r.writable) == (arr.ctypes.data, 400, Access.READ_WRITE, True)
+    assert (r.addr, r.length, r.access, r.writable) == (
+        arr.ctypes.data,
+        400,
+        Access.READ_WRITE,
+        True,
+    )
     ba = bytearray(b"abc")
     assert buffer_region(ba).length == 3
     ro = buffer_region(b"immutable")

@@ -43,7 +43,11 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
 
 def _desc(name: str, epoch: int = 0) -> SegmentDesc:
     return SegmentDesc(
-        name=name, host_id="h", pid=1, epoch=epoch, endpoints={"tcp": "127.0.0.1:1"},
+        name=name,
+        host_id="h",
+        pid=1,
+        epoch=epoch,
+        endpoints={"tcp": "127.0.0.1:1"},
         regions=[RegionDesc(addr=4096, length=8192, rdma_rkeys={"mlx5_0": 7}, memfd=3)],
     )
 

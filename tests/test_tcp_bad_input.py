@@ -25,8 +25,12 @@ def target() -> Iterator[tuple[TransferEngine, np.ndarray]]:
     e.close()
 
 
-def connect(e: TransferEngine, token: str | None = None, version: int = wire.VERSION,
-            magic: bytes = wire.MAGIC) -> tuple[socket.socket, int]:
+def connect(
+    e: TransferEngine,
+    token: str | None = None,
+    version: int = wire.VERSION,
+    magic: bytes = wire.MAGIC,
+) -> tuple[socket.socket, int]:
     host, port = e.segment_name.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
     hello = bytearray(wire.HELLO.size)
@@ -76,7 +80,9 @@ def test_wrong_version_is_refused(target: tuple[TransferEngine, np.ndarray]) -> 
     still_serves(e, buf)
 
 
-def test_garbage_header_gets_protocol_error_then_close(target: tuple[TransferEngine, np.ndarray]) -> None:
+def test_garbage_header_gets_protocol_error_then_close(
+    target: tuple[TransferEngine, np.ndarray],
+) -> None:
     e, buf = target
     s, verdict = connect(e)
     assert verdict == wire.VERDICT_OK
@@ -125,8 +131,9 @@ def test_out_of_bounds_is_refused_and_stream_stays_usable(
 
 
 def test_token_is_required_and_checked() -> None:
-    e = TransferEngine(EngineConfig(metadata="memory://auth", transports=("tcp",),
-                                    auth_token=TOKEN)).start()
+    e = TransferEngine(
+        EngineConfig(metadata="memory://auth", transports=("tcp",), auth_token=TOKEN)
+    ).start()
     buf = np.ones(4096, dtype=np.uint8)
     e.register(buf)
     try:
@@ -135,15 +142,19 @@ def test_token_is_required_and_checked() -> None:
         s, verdict = connect(e, token=None)
         assert verdict == wire.VERDICT_BAD_TOKEN and closed(s)
         for token in (None, "wrong-token!"):
-            c = TransferEngine(EngineConfig(metadata="memory://auth", transports=("tcp",),
-                                            auth_token=token, timeout=5)).start()
+            c = TransferEngine(
+                EngineConfig(
+                    metadata="memory://auth", transports=("tcp",), auth_token=token, timeout=5
+                )
+            ).start()
             dst = np.zeros(16, dtype=np.uint8)
             c.register(dst)
             with pytest.raises(AuthenticationError):
                 c.read(e.segment_name, dst.ctypes.data, buf.ctypes.data, 16)
             c.close()
-        c = TransferEngine(EngineConfig(metadata="memory://auth", transports=("tcp",),
-                                        auth_token=TOKEN)).start()
+        c = TransferEngine(
+            EngineConfig(metadata="memory://auth", transports=("tcp",), auth_token=TOKEN)
+        ).start()
         dst = np.zeros(16, dtype=np.uint8)
         c.register(dst)
         c.read(e.segment_name, dst.ctypes.data, buf.ctypes.data, 16)

@@ -46,8 +46,10 @@ def link(request: pytest.FixtureRequest) -> Iterator[Link]:
     engine = TransferEngine(
         EngineConfig(metadata=srv.url, transports=(name,), slice_size=SLICE, timeout=20)
     ).start()
-    remote = {k: peer.call("alloc", kind=k, size=SPAN, seed=i)["addr"]
-              for i, k in enumerate(("memfd", "numpy"))}
+    remote = {
+        k: peer.call("alloc", kind=k, size=SPAN, seed=i)["addr"]
+        for i, k in enumerate(("memfd", "numpy"))
+    }
     remote["readonly"] = peer.call("alloc", kind="readonly", size=4096, seed=9)["addr"]
     yield Link(engine, peer, remote)
     engine.close()
@@ -67,13 +69,13 @@ SIZES = [0, 1, 7, 4095, 4096, 65537, (1 << 20) + 3, 3 * SLICE + 5]
 def test_write_then_read_back(link: Link, kind: str, size: int) -> None:
     e, seg, remote = link.engine, link.peer.segment, link.remote[kind]
     src = pattern(size + 11, size)
-    link.local.array[5:5 + size] = src
+    link.local.array[5 : 5 + size] = src
     # unaligned on both sides
     e.write(seg, link.local.addr + 5, remote + 3, size)
     assert link.digest(remote + 3, size) == sha(src)
     link.local.array[:] = 0
     e.read(seg, link.local.addr + 1, remote + 3, size)
-    assert sha(link.local.array[1:1 + size]) == sha(src)
+    assert sha(link.local.array[1 : 1 + size]) == sha(src)
 
 
 def test_batch_of_mixed_requests(link: Link) -> None:
@@ -95,7 +97,7 @@ def test_batch_of_mixed_requests(link: Link) -> None:
     assert batch.wait(20)
     assert batch.statuses == [TransferStatus.COMPLETED] * 100
     for o, n in spots:
-        assert np.array_equal(link.local.array[o:o + n], expected[o:o + n])
+        assert np.array_equal(link.local.array[o : o + n], expected[o : o + n])
 
 
 def test_async_submit_many_slices(link: Link) -> None:
@@ -110,22 +112,21 @@ def test_async_submit_many_slices(link: Link) -> None:
 
 def test_concurrent_threads(link: Link) -> None:
     e, seg, remote = link.engine, link.peer.segment, link.remote["memfd"]
-    chunk = 256 * 1024
+    chunk = 128 * 1024  # 4 threads x 10 ops x 128 KiB = 5 MiB: disjoint, inside SPAN
     errors: list[BaseException] = []
 
     def worker(t: int) -> None:
         try:
             for k in range(10):
-                o = (t * 10 + k) * chunk % (SPAN - chunk)
-                link.local.array[o:o + chunk] = (t * 31 + k) % 251
+                o = (t * 10 + k) * chunk
+                link.local.array[o : o + chunk] = (t * 31 + k) % 251
                 e.write(seg, link.local.addr + o, remote + o, chunk)
                 e.read(seg, link.local.addr + o, remote + o, chunk)
-                if not (link.local.array[o:o + chunk] == (t * 31 + k) % 251).all():
+                if not (link.local.array[o : o + chunk] == (t * 31 + k) % 251).all():
                     raise AssertionError(f"thread {t} op {k} read back other bytes")
         except BaseException as exc:
             errors.append(exc)
 
-    # distinct offsets per thread: t*10+k never collide for t<4, k<10
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
     for t in threads:
         t.start()
@@ -145,10 +146,12 @@ def test_bad_requests_fail_cleanly_and_link_survives(link: Link) -> None:
         e.read(seg, 4096, remote, 16)  # local memory not registered
     with pytest.raises(SegmentNotFound):
         e.read("127.0.0.1:1", link.local.addr, remote, 16)
-    batch = e.submit([
-        TransferRequest(TransferOp.READ, seg, link.local.addr, remote, 64),
-        TransferRequest(TransferOp.READ, seg, link.local.addr, remote + SPAN, 64),
-    ])
+    batch = e.submit(
+        [
+            TransferRequest(TransferOp.READ, seg, link.local.addr, remote, 64),
+            TransferRequest(TransferOp.READ, seg, link.local.addr, remote + SPAN, 64),
+        ]
+    )
     assert batch.wait(10)
     assert batch.statuses == [TransferStatus.COMPLETED, TransferStatus.FAILED]
     assert isinstance(batch.errors[1], AccessViolation)

@@ -1,0 +1,81 @@
+"""The command line, run as users run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+from helpers import free_port, wait_until
+from typer.testing import CliRunner
+
+from mooncake_connectors.cli import app
+from mooncake_connectors.transfer_core.metadata import open_metadata
+
+CLI = [sys.executable, "-m", "mooncake_connectors"]
+
+
+def test_version_and_plugins() -> None:
+    r = CliRunner().invoke(app, ["plugins"])
+    assert r.exit_code == 0, r.output
+    found = json.loads(r.output)
+    assert {"tcp", "shm"} <= set(found["transports"])
+    assert CliRunner().invoke(app, ["version"]).output.strip()
+
+
+def test_metadata_server_command() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "metadata-server", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+
+        def up() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
+                    return bool(r.status == 200)
+            except OSError:
+                return False
+
+        wait_until(up, 20, "metadata-server to answer /health")
+        m = open_metadata(f"http://127.0.0.1:{port}/metadata")
+        m.put("a", b"b")
+        assert m.get("a") == b"b"
+        m.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_bench_transfer_emits_json() -> None:
+    out = subprocess.run(
+        [
+            *CLI,
+            "bench",
+            "transfer",
+            "--rounds",
+            "1",
+            "--sizes",
+            "64K,1M",
+            "--batch",
+            "8x64K",
+            "--no-mooncake",
+            "--transports",
+            "tcp,shm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["benchmark"] == "transfer"
+    row = result["results"]["READ 1M"]
+    assert set(row) >= {"ours_tcp", "ours_shm", "raw_socket"}
+    assert all(v > 0 for v in row.values())
+    assert result["results"]["COPY 1M"]["memcpy"] > 0
+    assert "WRITE batch 8x64K" in result["results"]
+    assert "tcp_vs_raw_socket" in result["ratios"]["READ 1M"]
