@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 
-from helpers import free_port, wait_until
+from helpers import free_port, http_ok, wait_until
 from typer.testing import CliRunner
 
 from mooncake_connectors.cli import app
@@ -33,14 +32,8 @@ def test_metadata_server_command() -> None:
     )
     try:
 
-        def up() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
-                    return bool(r.status == 200)
-            except OSError:
-                return False
-
-        wait_until(up, 20, "metadata-server to answer /health")
+        health = f"http://127.0.0.1:{port}/health"
+        wait_until(lambda: http_ok(health), 20, "metadata-server to answer /health")
         m = open_metadata(f"http://127.0.0.1:{port}/metadata")
         m.put("a", b"b")
         assert m.get("a") == b"b"

@@ -37,6 +37,15 @@ def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.02) -> 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def http_ok(url: str) -> bool:
+    """True when ``url`` answers 200 within half a second."""
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 class EtcdServer:
     """A throwaway single-node etcd on loopback with a temp data dir."""
 
@@ -80,15 +89,7 @@ class EtcdServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(f"{c}/health", timeout=0.5) as r:
-                    return bool(r.status == 200)
-            except OSError:
-                return False
-
-        wait_until(healthy, 20, "etcd to become healthy")
+        wait_until(lambda: http_ok(f"{c}/health"), 20, "etcd to become healthy")
         return self
 
     def stop(self) -> None:
