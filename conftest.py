@@ -8,9 +8,9 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 
-from helpers import EtcdServer  # noqa: E402
+from helpers import EtcdServer
 
-from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer  # noqa: E402
+from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
 
 
 @pytest.fixture(scope="session")
