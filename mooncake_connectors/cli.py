@@ -5,9 +5,11 @@ Each subcommand imports what it needs inside its function so ``--help`` stays fa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 import typer
@@ -31,6 +33,28 @@ def _setup_logging(verbose: int) -> None:
         format="%(name)s: %(message)s",
         handlers=[RichHandler(console=None, show_path=False, rich_tracebacks=False)],
     )
+
+
+@contextlib.contextmanager
+def _progress(what: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (stdout carries the JSON result)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        f"[bold]{what}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(what, total=None)
+
+        def advance(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield advance
 
 
 Verbose = Annotated[int, typer.Option("--verbose", "-v", count=True, help="-v info, -vv debug")]
@@ -101,13 +125,15 @@ def bench_transfer(
     _setup_logging(verbose)
     from .transfer_core.bench import run_transfer_benchmark
 
-    result = run_transfer_benchmark(
-        transports=[t.strip() for t in transports.split(",") if t.strip()],
-        rounds=rounds,
-        sizes=sizes,
-        batch=batch,
-        with_mooncake=mooncake,
-    )
+    with _progress("bench transfer") as advance:
+        result = run_transfer_benchmark(
+            transports=[t.strip() for t in transports.split(",") if t.strip()],
+            rounds=rounds,
+            sizes=sizes,
+            batch=batch,
+            with_mooncake=mooncake,
+            progress=advance,
+        )
     text = json.dumps(result, indent=2)
     if output:
         with open(output, "w") as fh:

@@ -175,7 +175,9 @@ def run_transfer_benchmark(
     sizes: str = "64K,1M,16M,128M",
     batch: str = "256x256K",
     with_mooncake: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
+    """Run the benchmark; ``progress(done, total)`` is called after each measured case."""
     import numpy as np
 
     from .engine import TransferEngine, TransferRequest
@@ -343,9 +345,12 @@ def run_transfer_benchmark(
                     cases.append(("mooncake_tcp", label, mc_batch(op), batch_n * batch_sz))
         for _, _, fn, _ in cases:  # warm-up: connections, page mappings
             fn()
-        for _ in range(rounds):
-            for system, label, fn, nbytes in cases:
+        total = rounds * len(cases)
+        for rnd in range(rounds):
+            for k, (system, label, fn, nbytes) in enumerate(cases):
                 results.setdefault(label, {}).setdefault(system, []).append(_rate(fn, nbytes))
+                if progress is not None:
+                    progress(rnd * len(cases) + k + 1, total)
         raw.close()
         if mc is not None and mc_local is not None:
             mc.unregister_memory(int(mc_local.ctypes.data))
