@@ -1,10 +1,10 @@
 """The ``tcp`` transport: framed, pipelined, several lanes (connections) per peer.
 
-Initiator: each lane has a sender thread (coalesces queued requests into one ``sendmsg``) and a
-receiver thread (reads responses in order and ``recv_into``s READ data straight into the
-destination memory). Target: one thread per connection checks every request against the
-registered regions before touching memory. A broken lane fails its slices with TransportBroken so
-the engine can move them elsewhere.
+Initiator (this module): each lane has a sender thread (coalesces queued requests into one
+``sendmsg``) and a receiver thread (reads responses in order and ``recv_into``s READ data straight
+into the destination memory). A caller that waits anyway drives a pooled *direct* connection from
+its own thread instead. A broken lane fails its slices with TransportBroken so the engine can move
+them elsewhere. Target: ``tcp_server.TcpServer``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import collections
 import contextlib
 import itertools
 import logging
-import os
 import queue
 import socket
 import struct
@@ -22,28 +21,22 @@ import time
 from collections.abc import Iterator, Sequence
 
 from ...errors import (
-    AccessViolation,
     AuthenticationError,
     MooncakeConnectorsError,
     ProtocolError,
-    TransferError,
     TransferTimeout,
     TransportBroken,
     TransportClosed,
 )
 from ...plugins import hookimpl
-from ...types import Access, TransferOp
-from .. import wire_errors
+from ...types import TransferOp
 from ..descriptor import RegionDesc, SegmentDesc
-from ..memory import Region
 from ..transport import Slice, Transport, TransportContext
 from . import wire
+from .tcp_server import TcpServer, _tune
 
 log = logging.getLogger(__name__)
 
-_WAITALL = socket.MSG_WAITALL
-_READ = int(Access.READ)
-_WRITE = int(Access.WRITE)
 _COALESCE = 64  # most requests one sendmsg carries
 _INLINE_PAYLOAD = 256 * 1024  # WRITE bytes an async submit may send from the caller's thread
 _DIRECT_CHUNK = 512  # requests sent before their answers are read, on a direct connection
@@ -55,10 +48,6 @@ def split_hostport(addr: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ProtocolError(f"bad tcp endpoint {addr!r}; expected HOST:PORT")
     return host.strip("[]"), int(port)
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def open_connection(ctx: TransportContext, peer: str, addr: str, path: str) -> socket.socket:
@@ -146,7 +135,7 @@ def finish_response(
         raise ProtocolError("oversized error message", peer=peer, path=path)
     msg = bytearray(length)
     wire.recv_exact(sock, memoryview(msg))
-    return wire_errors.from_status(status, msg.decode(errors="replace"), peer=peer, path=path)
+    return wire.error_from_status(status, msg.decode(errors="replace"), peer=peer, path=path)
 
 
 class _Lane:
@@ -287,162 +276,6 @@ class _Lane:
             self.sock.close()
 
 
-class _Server:
-    """Accepts connections and serves READ/WRITE against the local registered regions."""
-
-    def __init__(self, ctx: TransportContext) -> None:
-        self.ctx = ctx
-        cfg = ctx.config
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((cfg.host, cfg.port))
-        self.sock.listen(128)
-        self.port = self.sock.getsockname()[1]
-        self.conns: set[socket.socket] = set()
-        self.lock = threading.Lock()
-        self.closed = False
-        threading.Thread(target=self._accept_loop, name="mc-tcp-accept", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                conn, peer = self.sock.accept()
-            except OSError:
-                return
-            with self.lock:
-                if self.closed:
-                    conn.close()
-                    return
-                self.conns.add(conn)
-            threading.Thread(
-                target=self._serve,
-                args=(conn, f"{peer[0]}:{peer[1]}"),
-                name="mc-tcp-serve",
-                daemon=True,
-            ).start()
-
-    def _handshake(self, conn: socket.socket) -> bool:
-        token = self.ctx.config.auth_token
-        nonce = os.urandom(16)
-        conn.settimeout(self.ctx.config.connect_timeout)
-        conn.sendall(
-            wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_AUTH if token else 0, 0, nonce)
-        )
-        buf = bytearray(wire.AUTH.size)
-        wire.recv_exact(conn, memoryview(buf))
-        magic, version, _, their_mac = wire.AUTH.unpack(buf)
-        if magic != wire.MAGIC or version != wire.VERSION:
-            conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_VERSION, 0))
-            log.warning("refused a client speaking version %s (magic %r)", version, magic)
-            return False
-        if token and not _consteq(their_mac, wire.mac(token, nonce)):
-            conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_TOKEN, 0))
-            log.warning("refused a client with a wrong token")
-            return False
-        conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_OK, 0))
-        conn.settimeout(None)
-        return True
-
-    def _serve(self, conn: socket.socket, who: str) -> None:
-        local = self.ctx.local
-        hdr = bytearray(wire.REQ.size)
-        hv = memoryview(hdr)
-        scratch: bytearray | None = None
-        # The last region served, reused while no register/unregister happened (epoch).
-        last: Region | None = None
-        last_epoch = -1
-        lo = hi = rights = 0
-        try:
-            _tune(conn)
-            if not self._handshake(conn):
-                return
-            hsize = wire.REQ.size
-            while True:
-                # Common case in one syscall; recv_exact only when the kernel splits it.
-                k = conn.recv_into(hv, hsize, _WAITALL)
-                if k != hsize:
-                    wire.recv_exact(conn, hv[k:] if k else hv)
-                magic, op, _, _, rid, addr, length = wire.REQ.unpack(hdr)
-                if magic != wire.REQ_MAGIC or op not in (wire.OP_READ, wire.OP_WRITE, wire.OP_PING):
-                    _reply_error(conn, rid, wire.ST_PROTOCOL, "malformed request frame")
-                    log.warning("closing %s: malformed request frame", who)
-                    return
-                if length > wire.MAX_PAYLOAD:
-                    _reply_error(conn, rid, wire.ST_PROTOCOL, f"length {length} exceeds limit")
-                    log.warning("closing %s: oversized request (%d bytes)", who, length)
-                    return
-                if op == wire.OP_PING:
-                    conn.sendall(wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, 0))
-                    continue
-                need = _READ if op == wire.OP_READ else _WRITE
-                try:
-                    if (
-                        last is None
-                        or local.epoch != last_epoch
-                        or addr < lo
-                        or addr + length > hi
-                        or not need & rights
-                    ):
-                        last_epoch = local.epoch
-                        last = local.check(addr, length, Access(need), who=who)
-                        lo, hi, rights = last.addr, last.addr + last.length, int(last.access)
-                except AccessViolation as exc:
-                    last = None
-                    if op == wire.OP_WRITE:  # consume the payload so the stream stays in sync
-                        if scratch is None:
-                            scratch = bytearray(1 << 20)
-                        left = length
-                        sv = memoryview(scratch)
-                        while left:
-                            n = min(left, len(scratch))
-                            wire.recv_exact(conn, sv[:n])
-                            left -= n
-                    _reply_error(conn, rid, wire.ST_ACCESS, exc.message)
-                    continue
-                data = last.slice(addr, length)
-                if op == wire.OP_READ:
-                    head = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length)
-                    k = conn.sendmsg((head, data))
-                    if k != length + len(head):  # interrupted: finish what is left
-                        wire.sendmsg_all(
-                            conn, [head[k:], data] if k < len(head) else [data[k - len(head) :]]
-                        )
-                else:
-                    k = conn.recv_into(data, length, _WAITALL) if length else 0
-                    if k != length:
-                        wire.recv_exact(conn, data[k:])
-                    conn.sendall(wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, 0))
-        except (OSError, ConnectionError) as exc:
-            log.debug("connection from %s ended: %s", who, exc)
-        finally:
-            with self.lock:
-                self.conns.discard(conn)
-            conn.close()
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            conns = list(self.conns)
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-
-
-def _consteq(a: bytes, b: bytes) -> bool:
-    import hmac
-
-    return hmac.compare_digest(a, b)
-
-
-def _reply_error(conn: socket.socket, rid: int, status: int, message: str) -> None:
-    data = message.encode()[: wire.MAX_ERROR_MESSAGE]
-    conn.sendall(wire.RESP.pack(wire.RESP_MAGIC, status, 0, 0, rid, len(data)) + data)
-
-
 class _Direct:
     """A connection driven by one waiting caller at a time: send a chunk, read its answers."""
 
@@ -479,7 +312,7 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        self._server: _Server | None = None
+        self._server: TcpServer | None = None
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._idle: dict[str, list[_Direct]] = {}
         self._lock = threading.Lock()
@@ -490,7 +323,7 @@ class TcpTransport(Transport):
         return self._server.port if self._server else 0
 
     def start(self) -> dict[str, str]:
-        self._server = _Server(self.ctx)
+        self._server = TcpServer(self.ctx)
         host = self.ctx.config.host
         host = f"[{host}]" if ":" in host else host
         return {"tcp": f"{host}:{self._server.port}"}
@@ -628,4 +461,4 @@ def mooncake_transport() -> type[Transport]:
     return TcpTransport
 
 
-__all__ = ["TcpTransport", "TransferError"]
+__all__ = ["TcpTransport"]

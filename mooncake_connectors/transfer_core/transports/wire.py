@@ -17,6 +17,7 @@ import hmac
 import socket
 import struct
 
+from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
 from ..descriptor import PROTOCOL_VERSION
 
 MAGIC = b"MCCT"
@@ -80,3 +81,16 @@ def sendmsg_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
         # drop empty buffers so sendmsg never spins on zero-length entries
         while bufs and len(bufs[0]) == 0:
             bufs.pop(0)
+
+
+def error_from_status(
+    status: int, message: str, *, peer: str, path: str
+) -> MooncakeConnectorsError:
+    """The exception for a non-OK response status (one mapping for every framed transport)."""
+    if status == ST_ACCESS:
+        return AccessViolation(f"peer refused access: {message}", peer=peer, path=path)
+    if status == ST_PROTOCOL:
+        return ProtocolError(f"peer reported a protocol error: {message}", peer=peer, path=path)
+    return TransportBroken(
+        f"peer failed the request (status {status}): {message}", peer=peer, path=path
+    )
