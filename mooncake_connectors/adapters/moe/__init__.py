@@ -1,0 +1,27 @@
+"""EPLB-aware elastic MoE routing: expert placement, healthy-replica routing, rank health, and
+conversions to and from vLLM's and SGLang's EPLB maps. Needs torch (the ``torch`` extra).
+
+Typical use::
+
+    placement = plan_placement(load, num_physical=288, num_ranks=32)
+    router = ExpertRouter(placement)
+    monitor = HealthMonitor(32, store=metadata, group="deepseek-v3")
+    monitor.subscribe(router.set_health)
+    ...
+    phys = router.route(topk_ids, layer=i, gate_scores=logits).physical_ids
+
+See docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from .placement import EMPTY_SLOT, Placement
+from .planner import pack_balanced, plan_placement, replicate_experts
+
+__all__ = [
+    "EMPTY_SLOT",
+    "Placement",
+    "pack_balanced",
+    "plan_placement",
+    "replicate_experts",
+]
