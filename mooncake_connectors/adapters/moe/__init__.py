@@ -15,13 +15,17 @@ See docs/moe.md.
 
 from __future__ import annotations
 
+from .elastic import ElasticPlan, placement_moves, plan_elastic
 from .placement import EMPTY_SLOT, Placement
 from .planner import pack_balanced, plan_placement, replicate_experts
 
 __all__ = [
     "EMPTY_SLOT",
+    "ElasticPlan",
     "Placement",
     "pack_balanced",
+    "placement_moves",
+    "plan_elastic",
     "plan_placement",
     "replicate_experts",
 ]
