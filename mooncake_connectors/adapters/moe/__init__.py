@@ -18,11 +18,15 @@ from __future__ import annotations
 from .elastic import ElasticPlan, placement_moves, plan_elastic
 from .placement import EMPTY_SLOT, Placement
 from .planner import pack_balanced, plan_placement, replicate_experts
+from .router import ExpertRouter, RouteResult, RoutingMode
 
 __all__ = [
     "EMPTY_SLOT",
     "ElasticPlan",
+    "ExpertRouter",
     "Placement",
+    "RouteResult",
+    "RoutingMode",
     "pack_balanced",
     "placement_moves",
     "plan_elastic",
