@@ -16,6 +16,13 @@ See docs/moe.md.
 from __future__ import annotations
 
 from .elastic import ElasticPlan, placement_moves, plan_elastic
+from .health import (
+    HealthMonitor,
+    HeartbeatPublisher,
+    MetadataStore,
+    heartbeat_key,
+    heartbeat_prefix,
+)
 from .placement import EMPTY_SLOT, Placement
 from .planner import pack_balanced, plan_placement, replicate_experts
 from .router import ExpertRouter, RouteResult, RoutingMode
@@ -24,9 +31,14 @@ __all__ = [
     "EMPTY_SLOT",
     "ElasticPlan",
     "ExpertRouter",
+    "HealthMonitor",
+    "HeartbeatPublisher",
+    "MetadataStore",
     "Placement",
     "RouteResult",
     "RoutingMode",
+    "heartbeat_key",
+    "heartbeat_prefix",
     "pack_balanced",
     "placement_moves",
     "plan_elastic",
