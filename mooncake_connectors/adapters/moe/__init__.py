@@ -16,6 +16,18 @@ See docs/moe.md.
 from __future__ import annotations
 
 from .elastic import ElasticPlan, placement_moves, plan_elastic
+from .engine_maps import (
+    SGLangExpertMaps,
+    VllmExpertMaps,
+    alive_from_active_ranks,
+    apply_to_vllm_state,
+    from_sglang,
+    from_vllm,
+    placement_from_sglang_metadata,
+    placement_from_vllm_state,
+    to_sglang,
+    to_vllm,
+)
 from .health import (
     HealthMonitor,
     HeartbeatPublisher,
@@ -37,11 +49,21 @@ __all__ = [
     "Placement",
     "RouteResult",
     "RoutingMode",
+    "SGLangExpertMaps",
+    "VllmExpertMaps",
+    "alive_from_active_ranks",
+    "apply_to_vllm_state",
+    "from_sglang",
+    "from_vllm",
     "heartbeat_key",
     "heartbeat_prefix",
     "pack_balanced",
+    "placement_from_sglang_metadata",
+    "placement_from_vllm_state",
     "placement_moves",
     "plan_elastic",
     "plan_placement",
     "replicate_experts",
+    "to_sglang",
+    "to_vllm",
 ]
