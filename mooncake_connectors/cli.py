@@ -14,7 +14,9 @@ import typer
 
 app = typer.Typer(
     name="mooncake-connectors",
-    help="Mooncake's KV-cache transfer engine, store and scheduler as plugins for inference engines.",
+    help=(
+        "Mooncake's KV-cache transfer engine, store and scheduler as plugins for inference engines."
+    ),
     no_args_is_help=True,
     add_completion=False,
 )
@@ -50,7 +52,8 @@ def plugins() -> None:
     from .transfer_core.metadata import METADATA_BACKENDS
     from .transfer_core.transport import TRANSPORTS
 
-    typer.echo(json.dumps({"transports": TRANSPORTS.names(), "metadata": METADATA_BACKENDS.names()}))
+    names = {"transports": TRANSPORTS.names(), "metadata": METADATA_BACKENDS.names()}
+    typer.echo(json.dumps(names))
 
 
 @app.command("metadata-server")
@@ -77,8 +80,12 @@ def metadata_server(
 
 @bench_app.command("transfer")
 def bench_transfer(
-    transports: Annotated[str, typer.Option(help="Comma-separated transports to measure.")] = "tcp,shm",
-    rounds: Annotated[int, typer.Option(min=1, max=1000, help="Rounds per case; median reported.")] = 7,
+    transports: Annotated[
+        str, typer.Option(help="Comma-separated transports to measure.")
+    ] = "tcp,shm",
+    rounds: Annotated[
+        int, typer.Option(min=1, max=1000, help="Rounds per case; median reported.")
+    ] = 7,
     sizes: Annotated[
         str, typer.Option(help="Comma-separated request sizes (e.g. 64K,1M,16M,128M).")
     ] = "64K,1M,16M,128M",
@@ -86,7 +93,9 @@ def bench_transfer(
     mooncake: Annotated[
         bool, typer.Option(help="Also run Mooncake's TCP engine when its wheel is installed.")
     ] = True,
-    output: Annotated[str | None, typer.Option("--output", "-o", help="Also write JSON here.")] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
     verbose: Verbose = 0,
 ) -> None:
     """Target and initiator in two processes on loopback; GB/s per op, size and transport."""
