@@ -157,12 +157,19 @@ def _balance(seed: int, reference: ModuleType | None) -> list[dict[str, Any]]:
     return rows
 
 
-def run_moe_benchmark(*, rounds: int = 100, seed: int = 0) -> dict[str, Any]:
-    """All MoE measurements as one JSON-able dict (times are medians)."""
+def run_moe_benchmark(*, rounds: int = 100, seed: int = 0, threads: int = 0) -> dict[str, Any]:
+    """All MoE measurements as one JSON-able dict (times are medians).
+
+    threads: torch intra-op threads for the run (0 keeps torch's default). On a small shared
+    machine one thread gives steadier numbers: a parallel op waits for its slowest thread.
+    """
+    if threads:
+        torch.set_num_threads(threads)
     reference = load_reference()
     return {
         "machine": {
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_average_1min_at_start": round(os.getloadavg()[0], 2),
             "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(),
         },
