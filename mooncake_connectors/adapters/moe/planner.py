@@ -17,6 +17,7 @@ All functions are pure: tensors in, tensors out, CPU, batched over a leading dim
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -89,8 +90,8 @@ def pack_balanced(
     if labels is None:
         lab = torch.arange(m, dtype=torch.int64).expand(rows, m)
     else:
-        if labels.shape != w.shape:
-            raise ConfigError(f"labels must have shape {list(w.shape)}, got {list(labels.shape)}")
+        if not isinstance(labels, torch.Tensor) or labels.shape != w.shape:
+            raise ConfigError(f"labels must be a tensor of shape {list(w.shape)}")
         if labels.is_floating_point() or labels.dtype == torch.bool or bool((labels < 0).any()):
             raise ConfigError("labels must be non-negative integers")
         lab = labels.to(device="cpu", dtype=torch.int64)
@@ -101,7 +102,7 @@ def pack_balanced(
     rank_in_pack = torch.empty(rows, m, dtype=torch.int64)
     for b in range(rows):
         packs = _pack_row(w[b], lab[b], num_packs, refine)
-        if labels is not None:
+        if labels is not None and math.isfinite(spread_tolerance):
             # Co-locating two replicas of one expert is what an unconstrained packer may do; it
             # buys balance (finer granularity) and costs fault tolerance. Take it only when the
             # gain is larger than the tolerance.
