@@ -98,6 +98,16 @@ def test_new_ranks_can_join_beyond_the_old_count() -> None:
     assert torch.equal(grown.placement.physical_to_logical[:, :24], before.physical_to_logical)
 
 
+def test_co_located_replicas_are_handled() -> None:
+    # Expert 0 twice on rank 0 (a planner may co-locate within its spread tolerance).
+    before = Placement(torch.tensor([[0, 0, 1, 2, 3, 4, 5, 0, 1]]), 6, 3)
+    alive = torch.tensor([True, False, True])
+    plan = plan_elastic(before, torch.tensor([6.0, 3.0, 2.0, 2.0, 1.0, 1.0]), alive)
+    check_live_only(plan.placement, alive)
+    assert plan.num_moves == 3  # experts 2, 3 and 4 lived only on rank 1
+    assert sorted(plan.moves[:, 3].tolist()) == [2, 3, 4]
+
+
 def test_too_few_live_slots_raise() -> None:
     before = plan_placement(torch.ones(8), 8, 4)
     alive = torch.tensor([True, False, True, True])

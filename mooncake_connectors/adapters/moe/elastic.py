@@ -144,12 +144,14 @@ class _LayerState:
 
     def _reload(self) -> None:
         self.rank_load = [0.0] * self.num_ranks
-        self.holders: list[set[int]] = [set() for _ in self.count]  # ranks holding expert e
+        # holders[e]: rank -> replicas of e on it (more than one only if the planner
+        # co-located replicas, see spread_tolerance).
+        self.holders: list[dict[int, int]] = [{} for _ in self.count]
         for s, e in enumerate(self.p2l):
             if e >= 0:
                 r = s // self.slots
                 self.rank_load[r] += self.w[e] / self.count[e]
-                self.holders[e].add(r)
+                self.holders[e][r] = self.holders[e].get(r, 0) + 1
 
     def _set(self, s: int, e: int) -> None:
         old = self.p2l[s]
@@ -167,15 +169,15 @@ class _LayerState:
         y = self.p2l[s]
         loads = list(self.rank_load)
         cx = self.count[x]
-        for h in self.holders[x]:
-            loads[h] += self.w[x] / (cx + 1) - (self.w[x] / cx if cx else 0.0)
+        for h, c in self.holders[x].items():
+            loads[h] += c * (self.w[x] / (cx + 1) - (self.w[x] / cx if cx else 0.0))
         loads[r] += self.w[x] / (cx + 1)
         if y >= 0:
             cy = self.count[y]
             loads[r] -= self.w[y] / cy
-            for h in self.holders[y]:
-                if h != r:
-                    loads[h] += self.w[y] / (cy - 1) - self.w[y] / cy
+            for h, c in self.holders[y].items():
+                others = c - 1 if h == r else c  # the evicted replica itself is gone
+                loads[h] += others * (self.w[y] / (cy - 1) - self.w[y] / cy)
         live = [load for load, ok in zip(loads, self.live, strict=True) if ok]
         return max(live), sum(v * v for v in live)
 
