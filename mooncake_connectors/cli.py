@@ -141,6 +141,31 @@ def bench_transfer(
     typer.echo(text)
 
 
+@bench_app.command("moe")
+def bench_moe(
+    rounds: Annotated[
+        int, typer.Option(min=1, max=100000, help="Routing repetitions; median reported.")
+    ] = 100,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic Zipf loads.")] = 0,
+    threads: Annotated[
+        int, typer.Option(min=0, max=1024, help="torch intra-op threads (0: torch's default).")
+    ] = 0,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """MoE router: routing µs vs plain indexing, placement ms, balance vs DeepSeek's EPLB."""
+    _setup_logging(verbose)
+    from .adapters.moe.bench import run_moe_benchmark
+
+    text = json.dumps(run_moe_benchmark(rounds=rounds, seed=seed, threads=threads), indent=2)
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text + "\n")
+    typer.echo(text)
+
+
 def main() -> None:
     try:
         app()
