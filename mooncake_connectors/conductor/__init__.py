@@ -22,8 +22,8 @@ from .types import (
     Admission,
     Placement,
     PlacementPolicy,
-    RejectReason,
     Rejection,
+    RejectReason,
     ScheduleRequest,
 )
 
