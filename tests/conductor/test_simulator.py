@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -156,3 +157,15 @@ def test_cli_bad_policy_exits_2() -> None:
         app, ["simulate", "--trace", str(TRACE_HEAD), "--policy", "bogus", "--no-progress"]
     )
     assert result.exit_code == 2
+
+
+def test_decode_memory_is_never_overcommitted_even_when_it_binds() -> None:
+    small = dataclasses.replace(
+        MODELS, decode=dataclasses.replace(MODELS.decode, capacity_tokens=200_000)
+    )
+    placement, admission = parse_policy("global-cache")
+    res = Simulator(SimConfig(16, 1, placement, admission, small)).run(REQS)
+    peak = res.decode_peak_tokens["decode-0"]
+    assert 0.8 * 200_000 < peak <= 200_000  # it filled up, and never past capacity
+    # Requests that waited for room show it in their TBT (the first gap carries the wait).
+    assert max(o.tbt_s for o in res.outcomes) > 1.0
