@@ -45,7 +45,9 @@ class ConductorConfig:
     ``balancing_threshold``: Algorithm 1's ``kvcache_balancing_threshold`` (unpublished; ours).
     ``expected_output_tokens``: prior for the output length until finished requests teach it.
     ``error_quantile``: the adaptive admission scales TTFT estimates by this quantile of the
-    observed actual/estimated ratio.
+    observed actual/estimated ratio (never below 1).
+    ``best_effort_idle_fraction``: the adaptive admission still places a request expected to miss
+    the TTFT SLO while at least this fraction of prefill instances is idle (None: never).
     """
 
     prefill_instances: tuple[str, ...]
@@ -60,7 +62,8 @@ class ConductorConfig:
     balancing_threshold: float = 1.5
     block_tokens: int = 512
     expected_output_tokens: float = 256.0
-    error_quantile: float = 0.9
+    error_quantile: float = 0.5
+    best_effort_idle_fraction: float | None = 0.25
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +88,9 @@ class ConductorConfig:
             raise ConfigError(
                 "error_quantile must be in (0, 1]", error_quantile=self.error_quantile
             )
+        frac = self.best_effort_idle_fraction
+        if frac is not None and not (math.isfinite(frac) and 0 < frac <= 1):
+            raise ConfigError("best_effort_idle_fraction must be in (0, 1] or None", fraction=frac)
 
 
 @dataclasses.dataclass
@@ -123,7 +129,7 @@ class Conductor:
         )  # fmt: skip
         plan = self._place(ctx, req)
         decode, tbt, fits = self._choose_decode(req, plan, now)
-        rejection = self._admit(req, plan, tbt, fits)
+        rejection = self._admit(req, plan, tbt, fits, now)
         if rejection is not None:
             return rejection
         self._commit(req, plan, decode, now)
@@ -139,6 +145,7 @@ class Conductor:
             est_prefill_s=plan.prefill_s,
             est_ttft_s=plan.ttft_s,
             est_tbt_s=tbt,
+            best_effort=plan.ttft_s > cfg.ttft_slo_s,
         )
 
     def _decode_seconds(self, tbt: float) -> float:
@@ -185,15 +192,28 @@ class Conductor:
         k = min(len(ordered) - 1, int(self.config.error_quantile * len(ordered)))
         return max(1.0, ordered[k])
 
+    def _best_effort(self, now: float) -> bool:
+        """Whether a request expected to miss the TTFT SLO is still worth running.
+
+        It no longer counts for goodput, but its KV does: the next turn of the conversation
+        reuses it, and rejecting a long turn makes every later turn too long as well. While a
+        good part of the prefill pool is idle, running it takes nothing from anyone else.
+        """
+        frac = self.config.best_effort_idle_fraction
+        if self.config.admission is not Admission.ADAPTIVE or frac is None:
+            return False
+        idle = sum(1 for v in self._prefill.values() if v.queue_time(now) == 0.0)
+        return idle >= frac * len(self._prefill)
+
     def _admit(
-        self, req: ScheduleRequest, plan: PrefillPlan, tbt: float, fits: bool
+        self, req: ScheduleRequest, plan: PrefillPlan, tbt: float, fits: bool, now: float
     ) -> Rejection | None:
         cfg = self.config
         adm = cfg.admission
         if adm is Admission.NONE:
             return None
         ttft = plan.ttft_s * (self._ttft_margin() if adm is Admission.ADAPTIVE else 1.0)
-        if ttft > cfg.ttft_slo_s:
+        if ttft > cfg.ttft_slo_s and not self._best_effort(now):
             reason, detail = (
                 RejectReason.TTFT_SLO,
                 (f"estimated time to first token {ttft:.1f}s exceeds the {cfg.ttft_slo_s:g}s SLO"),

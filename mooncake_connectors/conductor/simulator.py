@@ -49,6 +49,7 @@ class Outcome:
     ttft_s: float = math.nan
     tbt_s: float = math.nan  # mean of the slowest 10% of token gaps (0 for one-token outputs)
     finished_s: float = math.nan
+    est_ttft_s: float = math.nan  # the conductor's estimate when it decided
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +218,7 @@ class Simulator:
         decision = self.conductor.schedule(sreq, now)
         if not isinstance(decision, Placement):
             self._record(Outcome(req.request_id, req.arrival_s, req.input_tokens, req.output_tokens,
-                                 decision.reason))  # fmt: skip
+                                 decision.reason, est_ttft_s=decision.est_ttft_s))  # fmt: skip
             return
         job = _Job(req, decision, now, 0)
         if decision.fetch_from is not None:
@@ -338,6 +339,7 @@ class Simulator:
             decode=name, fetched_blocks=job.placement.fetch_blocks,
             cached_tokens=job.cached_tokens, ttft_s=job.ttft_done - req.arrival_s,
             tbt_s=_tbt(seq, req.output_tokens - 1), finished_s=now,
+            est_ttft_s=job.placement.est_ttft_s,
         ))  # fmt: skip
 
     # ---- driver ------------------------------------------------------------------------------

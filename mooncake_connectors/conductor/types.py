@@ -25,7 +25,9 @@ class Admission(enum.Enum):
     NONE = "none"  # never: every request is placed
     EARLY = "early"  # Algorithm 1 lines 24-26: estimated TTFT or current decode TBT over SLO
     PREDICTIVE = "predictive"  # §7.3: decode load predicted for when the request gets there
-    ADAPTIVE = "adaptive"  # ours: PREDICTIVE + decode KV room + learned estimate error margin
+    # ours: PREDICTIVE + decode KV room + learned estimate error margin; a request expected to
+    # miss the TTFT SLO still runs, best effort, while a quarter of the prefill pool is idle
+    ADAPTIVE = "adaptive"
 
 
 class RejectReason(enum.Enum):
@@ -71,6 +73,7 @@ class Placement:
     est_prefill_s: float
     est_ttft_s: float
     est_tbt_s: float
+    best_effort: bool = False  # expected to miss the TTFT SLO, placed anyway (see Admission)
 
     def __post_init__(self) -> None:
         for name in ("est_queue_s", "est_transfer_s", "est_prefill_s", "est_ttft_s", "est_tbt_s"):

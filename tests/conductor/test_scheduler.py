@@ -116,7 +116,10 @@ def test_adaptive_rejects_what_would_not_fit_decode_memory() -> None:
 
 def test_adaptive_learns_its_estimate_error() -> None:
     def run(admission: Admission) -> Placement | Rejection:
-        c = Conductor(make_config(PlacementPolicy.ADAPTIVE, admission, ttft_slo_s=10.0))
+        cfg = make_config(
+            PlacementPolicy.ADAPTIVE, admission, ttft_slo_s=10.0, best_effort_idle_fraction=None
+        )
+        c = Conductor(cfg)
         t = 0.0
         for rid in range(20):
             assert isinstance(c.schedule(req(rid, 1500), now=t), Placement)  # est 1.5 s
@@ -130,6 +133,30 @@ def test_adaptive_learns_its_estimate_error() -> None:
     assert isinstance(early, Placement)
     adaptive = run(Admission.ADAPTIVE)
     assert isinstance(adaptive, Rejection) and adaptive.reason is RejectReason.TTFT_SLO
+
+
+def test_adaptive_runs_hopeless_requests_best_effort_only_on_an_idle_pool() -> None:
+    c = Conductor(make_config(PlacementPolicy.ADAPTIVE, Admission.ADAPTIVE, ttft_slo_s=1.0))
+    # 2 s of prefill cannot meet a 1 s SLO; all three prefill nodes are idle: placed anyway.
+    d = c.schedule(req(1, 2000), now=0.0)
+    assert isinstance(d, Placement) and d.best_effort
+    # Now p0 is busy; 2 of 3 idle is still >= 25%: placed, on an idle node.
+    d2 = c.schedule(req(2, 2000), now=0.0)
+    assert isinstance(d2, Placement) and d2.prefill != d.prefill
+    c.schedule(req(3, 2000), now=0.0)
+    # No idle node left: rejected.
+    r = c.schedule(req(4, 2000), now=0.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
+    # Within the SLO a placement is not best effort.
+    ok = Conductor(make_config(PlacementPolicy.ADAPTIVE, Admission.ADAPTIVE)).schedule(
+        req(5, 500), now=0.0
+    )
+    assert isinstance(ok, Placement) and not ok.best_effort
+    # Switched off, the idle pool does not matter.
+    off = make_config(
+        PlacementPolicy.ADAPTIVE, Admission.ADAPTIVE, ttft_slo_s=1.0, best_effort_idle_fraction=None
+    )
+    assert isinstance(Conductor(off).schedule(req(1, 2000), now=0.0), Rejection)
 
 
 def test_output_length_is_learned() -> None:
@@ -165,6 +192,7 @@ def test_protocol_errors() -> None:
         {"tbt_slo_s": float("nan")},
         {"balancing_threshold": 0.5},
         {"error_quantile": 0.0},
+        {"best_effort_idle_fraction": 0.0},
     ],
 )
 def test_bad_config_raises(change: dict[str, object]) -> None:
