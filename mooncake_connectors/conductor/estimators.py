@@ -64,7 +64,7 @@ class PrefillModel:
 
 
 def fit_prefill_model(samples: Iterable[tuple[int, int, float]]) -> PrefillModel:
-    """Least-squares fit of :class:`PrefillModel` to ``(prompt, cached, seconds)`` samples.
+    """Least-squares fit (relative error) of :class:`PrefillModel` to ``(prompt, cached, s)``.
 
     Coefficients are kept non-negative (a negative quadratic term would predict that long
     prompts get cheaper): a term the unconstrained fit drives below zero is dropped and the rest
@@ -78,6 +78,10 @@ def fit_prefill_model(samples: Iterable[tuple[int, int, float]]) -> PrefillModel
     arr = np.asarray(rows)
     n, p, t = arr[:, 0], arr[:, 1], arr[:, 2]
     feats = np.stack([np.ones_like(n), n - p, n * n - p * p], axis=1)
+    # Profiling noise is relative (a 100 s prefill wobbles by seconds, a 0.1 s one by ms), so
+    # minimise relative error: unweighted, the long samples would set the constant term.
+    w = 1.0 / np.maximum(t, 1e-6)
+    feats, t = feats * w[:, None], t * w
     if np.linalg.matrix_rank(feats) < 3:
         raise ConfigError("samples do not determine a, b and c (need distinct prompt lengths)")
     active = [0, 1, 2]

@@ -200,7 +200,7 @@ def plot_ttft_cdf(
         raise ConfigError(
             "plotting needs matplotlib: pip install 'mooncake-connectors[sim]'"
         ) from exc
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    fig, ax = plt.subplots(figsize=(8.0, 4.2), dpi=100)
     for name, result in results.items():
         ttft = np.sort([o.ttft_s for o in result.outcomes if o.rejected is None])
         if ttft.size == 0:
@@ -213,7 +213,7 @@ def plot_ttft_cdf(
     ax.set_ylabel("fraction of placed requests")
     ax.axvline(slo_s, color="grey", linestyle=":", linewidth=1, label=f"TTFT SLO {slo_s:g}s")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
