@@ -57,6 +57,15 @@ def _progress(what: str) -> Iterator[Callable[[int, int], None]]:
         yield advance
 
 
+def _emit(result: object, output: str | None) -> None:
+    """Print ``result`` as JSON on stdout, and also write it to ``output`` when given."""
+    text = json.dumps(result, indent=2)
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text + "\n")
+    typer.echo(text)
+
+
 Verbose = Annotated[int, typer.Option("--verbose", "-v", count=True, help="-v info, -vv debug")]
 
 
@@ -134,11 +143,7 @@ def bench_transfer(
             with_mooncake=mooncake,
             progress=advance,
         )
-    text = json.dumps(result, indent=2)
-    if output:
-        with open(output, "w") as fh:
-            fh.write(text + "\n")
-    typer.echo(text)
+    _emit(result, output)
 
 
 @bench_app.command("moe")
@@ -159,11 +164,71 @@ def bench_moe(
     _setup_logging(verbose)
     from .adapters.moe.bench import run_moe_benchmark
 
-    text = json.dumps(run_moe_benchmark(rounds=rounds, seed=seed, threads=threads), indent=2)
-    if output:
-        with open(output, "w") as fh:
-            fh.write(text + "\n")
-    typer.echo(text)
+    _emit(run_moe_benchmark(rounds=rounds, seed=seed, threads=threads), output)
+
+
+@app.command()
+def simulate(
+    trace: Annotated[str, typer.Option(help="Mooncake-format trace (JSON lines).")],
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill instances.")] = 16,
+    decode: Annotated[int, typer.Option(min=1, help="Decode instances.")] = 8,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(help="Preset or PLACEMENT+ADMISSION; repeatable; default: every preset."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of random placement and model noise.")] = 0,
+    limit: Annotated[int | None, typer.Option(min=1, help="Replay the first N requests.")] = None,
+    speedup: Annotated[float, typer.Option(min=0.01, help="Divide arrival times by this.")] = 1.0,
+    ttft_slo: Annotated[float, typer.Option(min=0.001, help="TTFT SLO, seconds.")] = 30.0,
+    tbt_slo: Annotated[
+        list[float] | None,
+        typer.Option(help="TBT SLO, seconds (mean of slowest 10% gaps); repeatable; .1 .2 .3"),
+    ] = None,
+    threshold: Annotated[
+        float, typer.Option(min=1.0, help="Algorithm 1's kvcache_balancing_threshold.")
+    ] = 1.5,
+    prefill_mfu: Annotated[
+        float, typer.Option(min=0.01, max=1.0, help="Prefill speed, fraction of peak FLOP/s.")
+    ] = 0.2,
+    nic_gbps: Annotated[float, typer.Option(min=0.1, help="Node KV bandwidth, Gbit/s.")] = 400.0,
+    cache_blocks: Annotated[
+        int, typer.Option(min=1, help="Prefill node DRAM pool in 512-token blocks.")
+    ] = 8000,
+    plot: Annotated[str | None, typer.Option(help="Write a PNG of TTFT CDFs here.")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Also write JSON.")] = None,
+    progress: Annotated[bool, typer.Option(help="Progress bar on stderr.")] = True,
+) -> None:
+    """Replay a trace through the conductor in simulated time (LLaMA2-70B on 8x A800 models)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .conductor.replay import ReplayOptions, replay
+    from .errors import ConfigError
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    try:
+        opts = ReplayOptions(
+            trace=trace, prefill=prefill, decode=decode, policies=tuple(policy or ()), seed=seed,
+            limit=limit, speedup=speedup, ttft_slo_s=ttft_slo, tbt_slos_s=tuple(tbt_slo or ()),
+            threshold=threshold, prefill_mfu=prefill_mfu, nic_gbps=nic_gbps,
+            cache_blocks=cache_blocks, plot=plot,
+        )  # fmt: skip
+        with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
+            task = bar.add_task("replay", total=None)
+
+            def tick(name: str, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total, description=f"replay {name}")
+
+            result = replay(opts, tick)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    _emit(result, output)
 
 
 def main() -> None:

@@ -67,13 +67,18 @@ def _routing(rounds: int, seed: int) -> dict[str, Any]:
     slots = num_physical // num_ranks
     realized = {}
     for name, router in (("deterministic", det), ("random", rnd)):
-        per_rank = torch.bincount(router.route(topk_ids).physical_ids.reshape(-1) // slots,
-                                  minlength=num_ranks).double()
+        per_rank = torch.bincount(
+            router.route(topk_ids).physical_ids.reshape(-1) // slots, minlength=num_ranks
+        ).double()
         realized[name] = round(float(per_rank.max() / per_rank.mean()), 4)
     result = degraded.route(topk_ids, gate_scores=scores)
     return {
-        "tokens": tokens, "top_k": top_k, "logical_experts": n,
-        "physical_experts": num_physical, "ranks": num_ranks, "rounds": rounds,
+        "tokens": tokens,
+        "top_k": top_k,
+        "logical_experts": n,
+        "physical_experts": num_physical,
+        "ranks": num_ranks,
+        "rounds": rounds,
         "plain_indexing_us": _median_us(lambda: first[topk_ids], rounds),
         "deterministic_us": _median_us(lambda: det.route(topk_ids), rounds),
         "random_us": _median_us(lambda: rnd.route(topk_ids), rounds),
@@ -102,14 +107,22 @@ def _placement(seed: int, reference: ModuleType | None) -> dict[str, Any]:
         return round(float(placement.balance(load, mask)[0]), 4)
 
     out: dict[str, Any] = {
-        "logical_experts": n, "ranks": num_ranks, "physical_experts": num_physical,
-        "nodes": nodes, "groups": groups, "rounds": rounds,
+        "logical_experts": n,
+        "ranks": num_ranks,
+        "physical_experts": num_physical,
+        "nodes": nodes,
+        "groups": groups,
+        "rounds": rounds,
         "flat_ms": _median_us(lambda: plan_placement(load, num_physical, num_ranks), rounds) / 1e3,
         "hierarchical_ms": _median_us(
-            lambda: plan_placement(load, num_physical, num_ranks, num_nodes=nodes,
-                                   num_groups=groups), rounds) / 1e3,
-        "elastic_one_rank_loss_ms": _median_us(
-            lambda: plan_elastic(flat, load, alive), rounds) / 1e3,
+            lambda: plan_placement(
+                load, num_physical, num_ranks, num_nodes=nodes, num_groups=groups
+            ),
+            rounds,
+        )
+        / 1e3,
+        "elastic_one_rank_loss_ms": _median_us(lambda: plan_elastic(flat, load, alive), rounds)
+        / 1e3,
         "elastic_one_rank_loss_moves": minimal.num_moves,
         "elastic_lost_experts": int(minimal.lost.sum()),
         "max_over_mean_before_loss": ratio(flat),
@@ -120,10 +133,15 @@ def _placement(seed: int, reference: ModuleType | None) -> dict[str, Any]:
     }
     if reference is not None:
         ref = reference.reference_rebalance
-        out["deepseek_reference_flat_ms"] = _median_us(
-            lambda: ref(load.unsqueeze(0), num_physical, 1, 1, num_ranks), rounds) / 1e3
-        out["deepseek_reference_hierarchical_ms"] = _median_us(
-            lambda: ref(load.unsqueeze(0), num_physical, groups, nodes, num_ranks), rounds) / 1e3
+        out["deepseek_reference_flat_ms"] = (
+            _median_us(lambda: ref(load.unsqueeze(0), num_physical, 1, 1, num_ranks), rounds) / 1e3
+        )
+        out["deepseek_reference_hierarchical_ms"] = (
+            _median_us(
+                lambda: ref(load.unsqueeze(0), num_physical, groups, nodes, num_ranks), rounds
+            )
+            / 1e3
+        )
     return out
 
 
@@ -142,17 +160,22 @@ def _balance(seed: int, reference: ModuleType | None) -> list[dict[str, Any]]:
         for num_ranks, num_physical, nodes, groups in cases:
             ours = plan_placement(load, num_physical, num_ranks, num_nodes=nodes, num_groups=groups)
             row: dict[str, Any] = {
-                "zipf_exponent": exponent, "ranks": num_ranks, "physical_experts": num_physical,
-                "nodes": nodes, "groups": groups,
+                "zipf_exponent": exponent,
+                "ranks": num_ranks,
+                "physical_experts": num_physical,
+                "nodes": nodes,
+                "groups": groups,
                 "mode": "hierarchical" if nodes > 1 and groups % nodes == 0 else "global",
                 "ours": round(float(ours.balance(load)[0]), 4),
                 "no_replication": round(float(no_replication(n, num_ranks).balance(load)[0]), 4),
             }
             if reference is not None:
-                p2l = reference.reference_rebalance(load.unsqueeze(0), num_physical, groups, nodes,
-                                                    num_ranks)
+                p2l = reference.reference_rebalance(
+                    load.unsqueeze(0), num_physical, groups, nodes, num_ranks
+                )
                 row["deepseek_reference"] = round(
-                    float(Placement(p2l, n, num_ranks).balance(load)[0]), 4)
+                    float(Placement(p2l, n, num_ranks).balance(load)[0]), 4
+                )
             rows.append(row)
     return rows
 
@@ -168,9 +191,11 @@ def run_moe_benchmark(*, rounds: int = 100, seed: int = 0, threads: int = 0) -> 
     reference = load_reference()
     return {
         "machine": {
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "load_average_1min_at_start": round(os.getloadavg()[0], 2),
-            "torch": torch.__version__, "python": platform.python_version(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
             "platform": platform.platform(),
         },
         "deepseek_reference": str(_REFERENCE) if reference is not None else None,

@@ -213,8 +213,11 @@ class _LayerState:
 
     def fill_empty(self) -> None:
         while True:
-            empty = [s for s in range(len(self.p2l))
-                     if self.p2l[s] == EMPTY_SLOT and self.live[s // self.slots]]
+            empty = [
+                s
+                for s in range(len(self.p2l))
+                if self.p2l[s] == EMPTY_SLOT and self.live[s // self.slots]
+            ]
             if not empty:
                 return
             # One empty slot per rank is enough to compare: slots of one rank are equivalent.
@@ -246,8 +249,10 @@ class _LayerState:
         while budget > 0:
             live = [v for v, ok in zip(self.rank_load, self.live, strict=True) if ok]
             current = (max(live), sum(v * v for v in live))
-            heavy = max((r for r in range(self.num_ranks) if self.live[r]),
-                        key=lambda r: (self.rank_load[r], -r))
+            heavy = max(
+                (r for r in range(self.num_ranks) if self.live[r]),
+                key=lambda r: (self.rank_load[r], -r),
+            )
             heavy_slots = range(heavy * self.slots, (heavy + 1) * self.slots)
             on_heavy = {self.p2l[s] for s in heavy_slots}
             best: tuple[tuple[float, float], int, int, int] | None = None
@@ -281,9 +286,9 @@ class _LayerState:
         """Best exchange of a heavy-rank slot with another rank's slot, as
         ``((new max, new sum of squares), 2, heavy slot, other slot)``. An exchange changes
         only the two ranks involved; replica counts stay the same."""
-        top = sorted(
-            ((v, r) for r, v in enumerate(self.rank_load) if self.live[r]), reverse=True
-        )[:3]
+        top = sorted(((v, r) for r, v in enumerate(self.rank_load) if self.live[r]), reverse=True)[
+            :3
+        ]
         best: tuple[tuple[float, float], int, int, int] | None = None
         load_h = self.rank_load[heavy]
         for a in heavy_slots:
@@ -302,7 +307,7 @@ class _LayerState:
                 new_h = load_h - share_a + share_b
                 new_r = self.rank_load[r] - share_b + share_a
                 rest = next((v for v, q in top if q not in (heavy, r)), 0.0)
-                new_sumsq = sumsq - load_h ** 2 - self.rank_load[r] ** 2 + new_h ** 2 + new_r ** 2
+                new_sumsq = sumsq - load_h**2 - self.rank_load[r] ** 2 + new_h**2 + new_r**2
                 key = ((max(rest, new_h, new_r), new_sumsq), 2, a, b)
                 if best is None or key < best:
                     best = key

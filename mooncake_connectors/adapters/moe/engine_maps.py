@@ -108,8 +108,10 @@ def from_sglang(
             f"active_ranks has {active_ranks.shape[0]} entries, num_ranks is {num_ranks}"
         )
     return _from_maps(
-        physical_to_logical_map, logical_to_all_physical_map,
-        logical_to_all_physical_map_num_valid, num_ranks,
+        physical_to_logical_map,
+        logical_to_all_physical_map,
+        logical_to_all_physical_map_num_valid,
+        num_ranks,
     )
 
 
@@ -135,8 +137,10 @@ def alive_from_active_ranks(active_ranks: torch.Tensor) -> torch.Tensor:
 def placement_from_vllm_state(state: Any, *, num_ranks: int) -> Placement:
     """Read an ``EplbModelState`` (or anything with its three map attributes)."""
     return from_vllm(
-        state.physical_to_logical_map, state.logical_to_physical_map,
-        state.logical_replica_count, num_ranks=num_ranks,
+        state.physical_to_logical_map,
+        state.logical_to_physical_map,
+        state.logical_replica_count,
+        num_ranks=num_ranks,
     )
 
 
@@ -165,8 +169,10 @@ def apply_to_vllm_state(state: Any, placement: Placement, *, empty_fill: int = 0
 def placement_from_sglang_metadata(meta: Any, *, num_ranks: int) -> Placement:
     """Read an ``ExpertLocationMetadata`` (or anything with its map attributes)."""
     return from_sglang(
-        meta.physical_to_logical_map, meta.logical_to_all_physical_map,
-        meta.logical_to_all_physical_map_num_valid, num_ranks=num_ranks,
+        meta.physical_to_logical_map,
+        meta.logical_to_all_physical_map,
+        meta.logical_to_all_physical_map_num_valid,
+        num_ranks=num_ranks,
     )
 
 
@@ -176,8 +182,10 @@ def placement_from_sglang_metadata(meta: Any, *, num_ranks: int) -> Placement:
 def _maps(
     placement: Placement, width: int, empty_fill: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if isinstance(empty_fill, bool) or not isinstance(empty_fill, int) or not (
-        EMPTY_SLOT <= empty_fill < placement.num_logical
+    if (
+        isinstance(empty_fill, bool)
+        or not isinstance(empty_fill, int)
+        or not (EMPTY_SLOT <= empty_fill < placement.num_logical)
     ):
         raise ConfigError(f"empty_fill must be an integer in [-1, {placement.num_logical})")
     p2l = placement.physical_to_logical

@@ -207,7 +207,7 @@ class HealthMonitor:
 
     def _parse(self, key: str, raw: bytes) -> tuple[int | None, float]:
         # One rank's garbage must not blind the monitor to the others: log it, count it dead.
-        suffix = key[len(self._prefix):] if key.startswith(self._prefix) else ""
+        suffix = key[len(self._prefix) :] if key.startswith(self._prefix) else ""
         if not (suffix.isascii() and suffix.isdigit()):
             log.warning("ignoring unexpected heartbeat key %r", key)
             return None, 0.0
@@ -227,7 +227,5 @@ class HealthMonitor:
 
 
 def _check_group(group: str) -> None:
-    if not isinstance(group, str) or not group or not all(
-        c.isalnum() or c in "_.-" for c in group
-    ):
+    if not isinstance(group, str) or not group or not all(c.isalnum() or c in "_.-" for c in group):
         raise ConfigError(f"group must match [A-Za-z0-9_.-]+, got {group!r}")

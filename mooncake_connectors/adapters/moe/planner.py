@@ -151,8 +151,12 @@ def plan_placement(
     """
     w = as_load(load)
     n = int(w.shape[1])
-    for value, what in ((num_physical, "num_physical"), (num_ranks, "num_ranks"),
-                        (num_nodes, "num_nodes"), (num_groups, "num_groups")):
+    for value, what in (
+        (num_physical, "num_physical"),
+        (num_ranks, "num_ranks"),
+        (num_nodes, "num_nodes"),
+        (num_groups, "num_groups"),
+    ):
         check_positive(value, what)
     if num_physical % num_ranks:
         raise ConfigError(
@@ -176,8 +180,13 @@ def plan_placement(
 
 
 def _plan_hierarchical(
-    w: torch.Tensor, num_physical: int, num_ranks: int, num_nodes: int, num_groups: int,
-    refine: bool, spread_tolerance: float,
+    w: torch.Tensor,
+    num_physical: int,
+    num_ranks: int,
+    num_nodes: int,
+    num_groups: int,
+    refine: bool,
+    spread_tolerance: float,
 ) -> torch.Tensor:
     num_layers, n = w.shape
     group_size = n // num_groups
@@ -199,9 +208,9 @@ def _plan_hierarchical(
     group_slot = node_of_group * groups_per_node + pos_of_group  # [L, G], a permutation
     node_groups = torch.empty_like(group_slot)
     node_groups.scatter_(1, group_slot, torch.arange(num_groups).expand(num_layers, -1))
-    node_experts = (
-        node_groups.unsqueeze(-1) * group_size + torch.arange(group_size)
-    ).reshape(num_layers, num_nodes, per_node_logical)
+    node_experts = (node_groups.unsqueeze(-1) * group_size + torch.arange(group_size)).reshape(
+        num_layers, num_nodes, per_node_logical
+    )
 
     # Step 2: replicate inside each node; a node's replicas can only spread over its ranks.
     node_load = w.gather(1, node_experts.reshape(num_layers, -1)).reshape(-1, per_node_logical)
@@ -213,7 +222,10 @@ def _plan_hierarchical(
     ).reshape(-1, per_node_physical)
     item_load = (node_load / counts).gather(1, item_local)
     rank_in_node, slot_in_rank = pack_balanced(
-        item_load, ranks_per_node, labels=item_local, refine=refine,
+        item_load,
+        ranks_per_node,
+        labels=item_local,
+        refine=refine,
         spread_tolerance=spread_tolerance,
     )
 
@@ -278,7 +290,11 @@ def _greedy(w: list[float], lab: list[int], num_packs: int) -> torch.Tensor:
 
 
 def _repair(
-    w: list[float], lab: list[int], pack: list[int], load: list[float], conflicts: list[int],
+    w: list[float],
+    lab: list[int],
+    pack: list[int],
+    load: list[float],
+    conflicts: list[int],
     num_packs: int,
 ) -> None:
     """Swap conflicting items (two of one label in a pack) with an item elsewhere so that

@@ -387,4 +387,3 @@ def _shares(
         shares = shares * pressure.clamp(0.25, 4.0).sqrt() * mask
         shares = shares / shares.sum(-1, keepdim=True).clamp(min=1e-300)
     return shares
-

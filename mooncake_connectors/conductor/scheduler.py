@@ -1,0 +1,297 @@
+"""The Conductor: per-request placement on (prefill, decode) instances or an early 429.
+
+A proxy (or the trace replayer) drives it with four kinds of calls, all non-blocking and
+I/O-free:
+
+- :meth:`Conductor.schedule` per incoming request → :class:`Placement` or :class:`Rejection`;
+- :meth:`Conductor.apply_cache_event` for each KV event of a prefill instance (blocks stored,
+  removed, cleared: vLLM's ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``);
+- :meth:`Conductor.prefill_finished` when the first token comes back;
+- :meth:`Conductor.decode_started` / :meth:`Conductor.decode_finished` as the stream runs and
+  ends, which is also where the typical output length is learned.
+
+Estimates are the conductor's own (queued work, fitted prefill model, transfer model, decode
+model); the reports replace them with facts as they arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+
+from ..errors import ConfigError
+from .cache_index import CacheEvent, CacheIndex
+from .estimators import DecodeModel, LinkBook, PrefillModel, TransferModel
+from .policies import PLACEMENTS, PlanContext, PrefillPlan
+from .state import DecodeView, PrefillView
+from .types import (
+    Admission,
+    Placement,
+    PlacementPolicy,
+    Rejection,
+    RejectReason,
+    ScheduleRequest,
+)
+
+_ERROR_WINDOW = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ConductorConfig:
+    """Instances, policy, SLOs and the estimators' models.
+
+    ``balancing_threshold``: Algorithm 1's ``kvcache_balancing_threshold`` (unpublished; ours).
+    ``expected_output_tokens``: prior for the output length until finished requests teach it.
+    ``error_quantile``: the adaptive admission scales TTFT estimates by this quantile of the
+    observed actual/estimated ratio (never below 1).
+    ``best_effort_idle_fraction``: the adaptive admission still places a request expected to miss
+    the TTFT SLO while at least this fraction of prefill instances is idle (None: never).
+    """
+
+    prefill_instances: tuple[str, ...]
+    decode_instances: tuple[str, ...]
+    prefill_model: PrefillModel
+    transfer_model: TransferModel
+    decode_model: DecodeModel
+    placement: PlacementPolicy = PlacementPolicy.GLOBAL_CACHE
+    admission: Admission = Admission.NONE
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    balancing_threshold: float = 1.5
+    block_tokens: int = 512
+    expected_output_tokens: float = 256.0
+    error_quantile: float = 0.5
+    best_effort_idle_fraction: float | None = 0.25
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for what, names in (("prefill", self.prefill_instances), ("decode", self.decode_instances)):
+            if not names:
+                raise ConfigError(f"at least one {what} instance is needed")
+            if len(set(names)) != len(names):
+                raise ConfigError(f"{what} instance names must be unique", instances=list(names))
+        if set(self.prefill_instances) & set(self.decode_instances):
+            raise ConfigError("an instance cannot be both prefill and decode")
+        for name in ("ttft_slo_s", "tbt_slo_s", "expected_output_tokens"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name} must be a finite number > 0", **{name: v})
+        if not math.isfinite(self.balancing_threshold) or self.balancing_threshold < 1:
+            raise ConfigError(
+                "balancing_threshold must be >= 1", threshold=self.balancing_threshold
+            )
+        if self.block_tokens <= 0:
+            raise ConfigError("block_tokens must be > 0", block_tokens=self.block_tokens)
+        if not 0 < self.error_quantile <= 1:
+            raise ConfigError(
+                "error_quantile must be in (0, 1]", error_quantile=self.error_quantile
+            )
+        frac = self.best_effort_idle_fraction
+        if frac is not None and not (math.isfinite(frac) and 0 < frac <= 1):
+            raise ConfigError("best_effort_idle_fraction must be in (0, 1] or None", fraction=frac)
+
+
+@dataclasses.dataclass
+class _Pending:
+    placed_at: float
+    est_ttft_s: float
+    prefill: str
+    decode: str
+
+
+class Conductor:
+    """KV-aware scheduler state machine; see the module docstring for the call protocol."""
+
+    def __init__(self, config: ConductorConfig) -> None:
+        self.config = config
+        self.index = CacheIndex(config.prefill_instances)
+        self._prefill = {name: PrefillView() for name in config.prefill_instances}
+        self._decode = {name: DecodeView(config.decode_model) for name in config.decode_instances}
+        self._links = LinkBook(config.transfer_model)
+        self._rng = random.Random(config.seed)
+        self._pending: dict[int, _Pending] = {}
+        self._out_tokens = config.expected_output_tokens
+        self._ratios: deque[float] = deque(maxlen=_ERROR_WINDOW)
+        self._place = PLACEMENTS[config.placement]
+
+    # ---- per request -------------------------------------------------------------------------
+
+    def schedule(self, req: ScheduleRequest, now: float) -> Placement | Rejection:
+        """Choose instances for ``req`` arriving at ``now`` (seconds, any monotonic clock)."""
+        if req.request_id in self._pending:
+            raise ConfigError("request already scheduled", request_id=req.request_id)
+        cfg = self.config
+        ctx = PlanContext(
+            now, cfg.prefill_instances, self.index, self._prefill, cfg.prefill_model,
+            cfg.transfer_model, self._links, cfg.block_tokens, cfg.balancing_threshold, self._rng,
+        )  # fmt: skip
+        plan = self._place(ctx, req)
+        decode, tbt, fits = self._choose_decode(req, plan, now)
+        rejection = self._admit(req, plan, tbt, fits, now)
+        if rejection is not None:
+            return rejection
+        self._commit(req, plan, decode, now)
+        return Placement(
+            request_id=req.request_id,
+            prefill=plan.instance,
+            decode=decode,
+            local_blocks=plan.local_blocks,
+            fetch_from=plan.fetch_from,
+            fetch_blocks=plan.fetch_blocks,
+            est_queue_s=plan.queue_s,
+            est_transfer_s=plan.transfer_s,
+            est_prefill_s=plan.prefill_s,
+            est_ttft_s=plan.ttft_s,
+            est_tbt_s=tbt,
+            best_effort=plan.ttft_s > cfg.ttft_slo_s,
+        )
+
+    def _decode_seconds(self, tbt: float) -> float:
+        return self._out_tokens * max(tbt, self.config.decode_model.base_s)
+
+    def _choose_decode(
+        self, req: ScheduleRequest, plan: PrefillPlan, now: float
+    ) -> tuple[str, float, bool]:
+        """(instance, its TBT estimate, whether it is expected to have KV room)."""
+        names = self.config.decode_instances
+        model = self.config.decode_model
+        out = self._out_tokens
+        if self.config.placement is PlacementPolicy.RANDOM:
+            d = self._rng.choice(list(names))
+            return d, self._decode[d].current_tbt(req.prompt_tokens, out), True
+        if self.config.admission in (Admission.NONE, Admission.EARLY):
+            # Algorithm 1's SelectDecodingInstance: the least loaded right now.
+            tbts = {d: self._decode[d].current_tbt(req.prompt_tokens, out) for d in names}
+            d = min(names, key=tbts.__getitem__)
+            return d, tbts[d], True
+        # Predict each instance's batch for when this request's KV gets there.
+        arrive = now + plan.ttft_s
+        own = req.prompt_tokens + out
+        best: tuple[float, str, bool] | None = None
+        for d in names:
+            view = self._decode[d]
+            dur = self._decode_seconds(view.current_tbt(0, out))
+            batch, kv, reserved = view.predicted(now, arrive, dur, out)
+            tbt = model.step_time(batch + 1, kv + req.prompt_tokens + out / 2)
+            fits = reserved + own <= model.capacity_tokens
+            key = (0.0 if fits else 1.0) * 1e9 + tbt
+            if best is None or key < best[0]:
+                best = (key, d, fits)
+        assert best is not None  # decode_instances is never empty (checked by the config)
+        _, d, fits = best
+        dur = self._decode_seconds(self._decode[d].current_tbt(0, out))
+        batch, kv, _ = self._decode[d].predicted(now, arrive, dur, out)
+        return d, model.step_time(batch + 1, kv + req.prompt_tokens + out / 2), fits
+
+    def _ttft_margin(self) -> float:
+        if len(self._ratios) < 16:
+            return 1.0
+        ordered = sorted(self._ratios)
+        k = min(len(ordered) - 1, int(self.config.error_quantile * len(ordered)))
+        return max(1.0, ordered[k])
+
+    def _best_effort(self, now: float) -> bool:
+        """Whether a request expected to miss the TTFT SLO is still worth running.
+
+        It no longer counts for goodput, but its KV does: the next turn of the conversation
+        reuses it, and rejecting a long turn makes every later turn too long as well. While a
+        good part of the prefill pool is idle, running it takes nothing from anyone else.
+        """
+        frac = self.config.best_effort_idle_fraction
+        if self.config.admission is not Admission.ADAPTIVE or frac is None:
+            return False
+        idle = sum(1 for v in self._prefill.values() if v.queue_time(now) == 0.0)
+        return idle >= frac * len(self._prefill)
+
+    def _admit(
+        self, req: ScheduleRequest, plan: PrefillPlan, tbt: float, fits: bool, now: float
+    ) -> Rejection | None:
+        cfg = self.config
+        adm = cfg.admission
+        if adm is Admission.NONE:
+            return None
+        ttft = plan.ttft_s * (self._ttft_margin() if adm is Admission.ADAPTIVE else 1.0)
+        if ttft > cfg.ttft_slo_s and not self._best_effort(now):
+            reason, detail = (
+                RejectReason.TTFT_SLO,
+                (f"estimated time to first token {ttft:.1f}s exceeds the {cfg.ttft_slo_s:g}s SLO"),
+            )
+        elif tbt > cfg.tbt_slo_s:
+            reason, detail = (
+                RejectReason.TBT_SLO,
+                (
+                    f"estimated time between tokens {tbt * 1e3:.0f}ms exceeds the "
+                    f"{cfg.tbt_slo_s * 1e3:g}ms SLO"
+                ),
+            )
+        elif adm is Admission.ADAPTIVE and not fits:
+            reason, detail = (
+                RejectReason.DECODE_CAPACITY,
+                "no decode instance expected to have KV room",
+            )
+        else:
+            return None
+        return Rejection(req.request_id, reason, detail, plan.ttft_s, tbt)
+
+    def _commit(self, req: ScheduleRequest, plan: PrefillPlan, decode: str, now: float) -> None:
+        ready = plan.ready_at
+        if plan.fetch_from is not None:
+            fetch_tokens = (
+                min(
+                    (plan.local_blocks + plan.fetch_blocks) * self.config.block_tokens,
+                    req.prompt_tokens,
+                )
+                - plan.local_blocks * self.config.block_tokens
+            )
+            booked = self._links.book(plan.fetch_from, plan.instance, now, fetch_tokens)
+            ready = (
+                max(ready, booked) if self.config.placement is PlacementPolicy.ADAPTIVE else ready
+            )
+        self._prefill[plan.instance].add(
+            req.request_id, now, ready, plan.prefill_s, req.block_hashes
+        )
+        self._decode[decode].add(req.request_id, now + plan.ttft_s, req.prompt_tokens)
+        self._pending[req.request_id] = _Pending(now, plan.ttft_s, plan.instance, decode)
+
+    # ---- reports from instances --------------------------------------------------------------
+
+    def apply_cache_event(self, event: CacheEvent) -> None:
+        """A prefill instance stored, removed or cleared prefix blocks."""
+        self.index.apply(event)
+
+    def prefill_finished(self, request_id: int, now: float) -> None:
+        """The first token of ``request_id`` came back (its prefill instance is free of it)."""
+        p = self._pending.get(request_id)
+        if p is None:
+            raise ConfigError("prefill_finished for an unknown request", request_id=request_id)
+        self._prefill[p.prefill].finish(request_id, now)
+        if p.est_ttft_s > 1.0:
+            # Short estimates are dominated by noise and would inflate the margin for nothing.
+            self._ratios.append((now - p.placed_at) / p.est_ttft_s)
+
+    def decode_started(self, request_id: int, now: float) -> None:
+        p = self._pending.get(request_id)
+        if p is not None:
+            self._decode[p.decode].started(request_id, now)
+
+    def decode_finished(self, request_id: int, now: float, output_tokens: int) -> None:
+        """The stream of ``request_id`` ended after ``output_tokens`` tokens."""
+        p = self._pending.pop(request_id, None)
+        if p is None:
+            raise ConfigError("decode_finished for an unknown request", request_id=request_id)
+        self._decode[p.decode].finish(request_id)
+        if output_tokens > 0:
+            # Slow EWMA: the system-level prediction needs the typical length, not the last one.
+            self._out_tokens += 0.01 * (output_tokens - self._out_tokens)
+
+    @property
+    def expected_output_tokens(self) -> float:
+        return self._out_tokens
+
+    def queue_time(self, instance: str, now: float) -> float:
+        try:
+            return self._prefill[instance].queue_time(now)
+        except KeyError:
+            raise ConfigError(f"unknown prefill instance {instance!r}") from None

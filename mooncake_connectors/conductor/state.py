@@ -1,0 +1,147 @@
+"""The conductor's running picture of each instance's load, kept from its own decisions.
+
+Queue time is "queued work" as in the paper (§6.1): the estimated prefill seconds of every
+request placed on an instance and not yet reported finished, run in order. Decode load is the set
+of requests sent to a decode instance, with when they are expected to join and leave its batch.
+Reports of real progress (prefill finished, decode started/finished) replace estimates as they
+come, so errors do not accumulate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+from .estimators import DecodeModel
+
+
+@dataclasses.dataclass
+class _Queued:
+    ready_at: float  # earliest start: a prefix fetch must land first
+    est_s: float
+    block_hashes: tuple[int, ...]
+
+
+class PrefillView:
+    """Outstanding prefill work of one instance, FIFO."""
+
+    def __init__(self) -> None:
+        self._anchor = 0.0  # when the head of the queue could start (last finish or first add)
+        self._queue: OrderedDict[int, _Queued] = OrderedDict()
+        # Blocks that queued requests will have stored by the time a request placed now starts
+        # (FIFO), with how many queued requests will produce each.
+        self._pending: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def drain_time(self, now: float) -> float:
+        """When the instance is expected to be free of everything queued."""
+        t = self._anchor
+        first = True
+        for item in self._queue.values():
+            t = max(t, item.ready_at) + item.est_s
+            if first:
+                # A head running past its estimate is assumed to finish now, not in the past.
+                t = max(t, now)
+                first = False
+        return max(t, now)
+
+    def queue_time(self, now: float) -> float:
+        return self.drain_time(now) - now
+
+    def add(
+        self,
+        request_id: int,
+        now: float,
+        ready_at: float,
+        est_s: float,
+        block_hashes: tuple[int, ...] = (),
+    ) -> None:
+        if not self._queue:
+            self._anchor = now
+        self._queue[request_id] = _Queued(ready_at, est_s, block_hashes)
+        for k in block_hashes:
+            self._pending[k] = self._pending.get(k, 0) + 1
+
+    def finish(self, request_id: int, now: float) -> bool:
+        """Drop a finished request; False when it was not queued here."""
+        item = self._queue.pop(request_id, None)
+        if item is None:
+            return False
+        for k in item.block_hashes:
+            left = self._pending[k] - 1
+            if left:
+                self._pending[k] = left
+            else:
+                del self._pending[k]
+        self._anchor = now
+        return True
+
+    def pending_match(self, keys: tuple[int, ...], start: int) -> int:
+        """Extend a cached prefix of ``start`` blocks with blocks queued requests will store."""
+        n = start
+        pending = self._pending
+        while n < len(keys) and keys[n] in pending:
+            n += 1
+        return n
+
+
+@dataclasses.dataclass
+class _Running:
+    join_s: float  # expected (until reported) time the request joins the decode batch
+    prompt_tokens: int
+    started: bool = False
+
+
+class DecodeView:
+    """Requests sent to one decode instance, current and predicted batch."""
+
+    def __init__(self, model: DecodeModel) -> None:
+        self.model = model
+        self._reqs: dict[int, _Running] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def add(self, request_id: int, join_s: float, prompt_tokens: int) -> None:
+        self._reqs[request_id] = _Running(join_s, prompt_tokens)
+
+    def started(self, request_id: int, now: float) -> None:
+        r = self._reqs.get(request_id)
+        if r is not None:
+            r.join_s = now
+            r.started = True
+
+    def finish(self, request_id: int) -> bool:
+        return self._reqs.pop(request_id, None) is not None
+
+    def current_tbt(self, extra_tokens: int, out_tokens: float) -> float:
+        """Step time now, with one more sequence of ``extra_tokens`` added (Algorithm 1's view)."""
+        batch = 1
+        kv = float(extra_tokens)
+        for r in self._reqs.values():
+            if r.started:
+                batch += 1
+                kv += r.prompt_tokens + out_tokens / 2
+        return self.model.step_time(batch, kv)
+
+    def predicted(
+        self, now: float, at: float, decode_s: float, out_tokens: float
+    ) -> tuple[int, float, float]:
+        """(batch, kv tokens in use, kv tokens reserved) expected at time ``at``.
+
+        Every request is assumed to decode for ``decode_s`` seconds after joining (the paper's
+        system-level prediction, §7.3). Reserved counts each one's whole expected output.
+        """
+        batch = 0
+        kv = 0.0
+        reserved = 0.0
+        for r in self._reqs.values():
+            end = r.join_s + decode_s
+            # One that already overran the typical duration (not reported done) is still there.
+            if r.join_s <= at and (end > at or (r.started and end <= now)):
+                batch += 1
+                kv += r.prompt_tokens + out_tokens / 2
+                reserved += r.prompt_tokens + out_tokens
+        return batch, kv, reserved
