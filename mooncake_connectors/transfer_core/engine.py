@@ -649,6 +649,9 @@ class TransferEngine:
                     self._watch_cv.wait(min(max(wait, 0.001), _WATCH_PERIOD))
                     continue
             for s in expired:
+                # Tear the lane down before the caller hears of the timeout: once it does, it may
+                # reuse the buffer, and no late bytes may land there.
+                s.transport.abort(s.peer.name, s.lane)
                 s.batch._slice_done(
                     s.index,
                     TransferTimeout(
@@ -657,7 +660,6 @@ class TransferEngine:
                         path=s.path,
                     ),
                 )
-                s.transport.abort(s.peer.name, s.lane)
 
     # -- sync helpers -----------------------------------------------------------------------
     def transfer(self, requests: Sequence[TransferRequest], timeout: float | None = None) -> None:
