@@ -59,7 +59,7 @@ def _layer_hierarchical(
     slots_per_node = num_slots // num_nodes
     slots_per_gpu = num_slots // num_gpus
 
-    group_totals = [sum(load[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
+    group_totals = [sum(load[g * group_size : (g + 1) * group_size]) for g in range(num_groups)]
     node_of_group = reference_pack(group_totals, num_nodes)
     per_node = groups_per_node * group_size
     experts_of_node: list[list[int]] = [[0] * per_node for _ in range(num_nodes)]

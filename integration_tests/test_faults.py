@@ -81,7 +81,7 @@ def test_frozen_peer_times_out_over_tcp_but_shm_is_one_sided(meta: MetadataHTTPS
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
             tcp.read(peer.segment, b1.addr, remote, 4 * MiB, timeout=1.0)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 3.5  # 1 s deadline + watchdog period + a loaded machine
         # async path too: the watchdog fails it and tears the lane down
         batch = tcp.submit(
             [TransferRequest(TransferOp.READ, peer.segment, b1.addr, remote, 4 * MiB)], timeout=1.0

@@ -2,7 +2,10 @@
 
 Systems measured in the same run, interleaved round by round so machine noise hits all alike:
   * ours over each selected transport (sync requests of each size, and one batch);
-  * ``memcpy``: numpy copy between two pre-faulted buffers in one process (the ceiling for shm);
+  * ``memcpy``: numpy copy between two pre-faulted anonymous buffers in one process;
+  * ``memcpy_shm``: the same copy out of a memfd (shared memory) buffer, the ceiling a
+    cross-process shared-memory copy can reach (shmem pages are 4 KiB where anonymous memory may
+    get transparent huge pages);
 Every system walks the same way through a span of the largest size (each op touches the next
 block), so none is measured on one cache-hot address.
   * ``raw_socket``: a Python request/response loop over one loopback TCP socket with
@@ -181,6 +184,7 @@ def run_transfer_benchmark(
     import numpy as np
 
     from .engine import TransferEngine, TransferRequest
+    from .memory import SharedBuffer
     from .metadata.http import MetadataHTTPServer
 
     size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
@@ -194,6 +198,7 @@ def run_transfer_benchmark(
     targets: dict[str, _Target] = {}
     engines: dict[str, TransferEngine] = {}
     local: Any = None
+    shm_keep: list[Any] = []
     results: dict[str, dict[str, list[float]]] = {}
     notes: list[str] = []
     try:
@@ -212,11 +217,10 @@ def run_transfer_benchmark(
                 )
         for t in transports:
             engines[t] = TransferEngine(EngineConfig(metadata=meta.url, transports=(t,))).start()
-        # One local memfd buffer shared by all our engines (each registers it).
-        from .memory import SharedBuffer
-
-        local = SharedBuffer(span)
-        local.array[:] = 3
+        # One local buffer shared by all our engines: a plain numpy array, as an inference engine's
+        # own tensors are (Mooncake's side uses one too). The target's buffer is memfd-backed.
+        local = np.full(span, 3, dtype=np.uint8)
+        local_addr = int(local.ctypes.data)
         for e in engines.values():
             e.register(local)
         mc_local = None
@@ -236,13 +240,18 @@ def run_transfer_benchmark(
         raw_mv = memoryview(raw_buf.data)
         cp_src = np.full(span, 5, dtype=np.uint8)
         cp_dst = np.full(span, 6, dtype=np.uint8)
+        # Shared memory (memfd/shmem) gets 4 KiB pages where anonymous arrays may get huge
+        # pages, so copies out of it are slower on the same machine: a second ceiling.
+        cp_shm = SharedBuffer(span)
+        cp_shm.array[:] = 5
+        shm_keep.append(cp_shm)
 
         seg = targets["ours"].info["segment"]
         raddr = targets["ours"].info["addr"]
 
         def ours_case(e: TransferEngine, op: TransferOp, size: int) -> Callable[[], None]:
             reqs = [
-                [TransferRequest(op, seg, local.addr + o, raddr + o, size)]
+                [TransferRequest(op, seg, local_addr + o, raddr + o, size)]
                 for o in _offsets(size, span)
             ]
 
@@ -254,7 +263,7 @@ def run_transfer_benchmark(
 
         def ours_batch(e: TransferEngine, op: TransferOp) -> Callable[[], None]:
             reqs = [
-                TransferRequest(op, seg, local.addr + i * batch_sz, raddr + i * batch_sz, batch_sz)
+                TransferRequest(op, seg, local_addr + i * batch_sz, raddr + i * batch_sz, batch_sz)
                 for i in range(batch_n)
             ]
             return lambda: e.transfer(reqs)
@@ -316,12 +325,12 @@ def run_transfer_benchmark(
 
             return run
 
-        def memcpy_case(size: int) -> Callable[[], None]:
+        def memcpy_case(size: int, src: Any) -> Callable[[], None]:
             offs = _offsets(size, span)
 
             def run() -> None:
                 for o in offs:
-                    np.copyto(cp_dst[o : o + size], cp_src[o : o + size])
+                    np.copyto(cp_dst[o : o + size], src[o : o + size])
 
             return run
 
@@ -336,7 +345,17 @@ def run_transfer_benchmark(
                     cases.append(("mooncake_tcp", label, mc_case(op, size), nbytes))
                 cases.append(("raw_socket", label, raw_case(op, size), nbytes))
                 if op is TransferOp.READ:
-                    cases.append(("memcpy", f"COPY {_fmt(size)}", memcpy_case(size), nbytes))
+                    cases.append(
+                        ("memcpy", f"COPY {_fmt(size)}", memcpy_case(size, cp_src), nbytes)
+                    )
+                    cases.append(
+                        (
+                            "memcpy_shm",
+                            f"COPY {_fmt(size)}",
+                            memcpy_case(size, cp_shm.array),
+                            nbytes,
+                        )
+                    )
             if batch_n:
                 label = f"{op.name} batch {batch_n}x{_fmt(batch_sz)}"
                 for t, e in engines.items():
@@ -357,8 +376,8 @@ def run_transfer_benchmark(
     finally:
         for e in engines.values():
             e.close()
-        if local is not None:
-            local.close()
+        for b in shm_keep:
+            b.close()
         for tgt in targets.values():
             tgt.close()
         meta.stop()
@@ -376,11 +395,10 @@ def run_transfer_benchmark(
             for other in ("mooncake_tcp", "raw_socket"):
                 if other in row:
                     r[f"{t}_vs_{other}"] = round(ours / row[other], 2)
-            copy = table.get(label.replace("READ", "COPY").replace("WRITE", "COPY"), {}).get(
-                "memcpy"
-            )
-            if copy:
-                r[f"{t}_vs_memcpy"] = round(ours / copy, 2)
+            copies = table.get(label.replace("READ", "COPY").replace("WRITE", "COPY"), {})
+            for ceiling in ("memcpy", "memcpy_shm"):
+                if copies.get(ceiling):
+                    r[f"{t}_vs_{ceiling}"] = round(ours / copies[ceiling], 2)
         ratios[label] = r
     return {
         "benchmark": "transfer",

@@ -169,12 +169,12 @@ class _PeerView:
 
 
 class _Slice(Slice):
-    __slots__ = ("batch", "index", "key", "peer", "region", "transport", "tried")
+    __slots__ = ("batch", "index", "key", "peer", "transport", "tried")
 
     batch: Batch
     index: int
     peer: SegmentDesc
-    region: RegionDesc
+    region: RegionDesc  # set for every engine slice (Optional only on the base class)
     transport: Transport
     key: tuple[str, str, int]
     tried: set[tuple[str, int]]

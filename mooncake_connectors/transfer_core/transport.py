@@ -42,6 +42,7 @@ class Slice:
         "local_mv",
         "op",
         "path",
+        "region",
         "remote_addr",
     )
 
@@ -58,6 +59,7 @@ class Slice:
         self.local_addr = local_addr
         self.local_mv: memoryview | None = None  # view of the local bytes, set by the engine
         self.remote_addr = remote_addr
+        self.region: RegionDesc | None = None  # the peer's region the engine resolved
         self.length = length
         self.deadline = deadline
         self.lane = 0

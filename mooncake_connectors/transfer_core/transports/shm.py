@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
 import queue
+import select
 import struct
 import threading
 from collections.abc import Sequence
@@ -32,6 +34,9 @@ from ..descriptor import RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
 
 log = logging.getLogger(__name__)
+_READ = int(Access.READ)
+_WRITE = int(Access.WRITE)
+_CLOSED_EPOCH = (1 << 64) - 1  # written into the epoch page when the transport closes
 _INLINE_BYTES = 64 * 1024  # copies this small run in the submitting thread even when async
 
 
@@ -96,7 +101,10 @@ class ShmTransport(Transport):
         self._maps: dict[tuple[int, int, int], _Mapping] = {}
         self._denied: dict[int, str] = {}  # peer pid -> why shm cannot reach it
         self._lock = threading.Lock()
-        self._q: queue.SimpleQueue[tuple[SegmentDesc, Slice] | None] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[SegmentDesc, Slice, RegionDesc | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._pidfds: dict[int, tuple[int, select.poll]] = {}
         self._workers: list[threading.Thread] = []
         self._epoch_fd = -1
         self._epoch_map: mmap.mmap | None = None
@@ -115,7 +123,7 @@ class ShmTransport(Transport):
         return {"shm": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
 
     def local_changed(self, epoch: int) -> None:
-        if self._epoch_map is not None:
+        if self._epoch_map is not None and not self._closed:
             struct.pack_into("<Q", self._epoch_map, 0, epoch)
 
     # -- reachability -----------------------------------------------------------------------
@@ -164,12 +172,15 @@ class ShmTransport(Transport):
                 s.complete(TransportClosed("shm transport closed", peer=peer.name))
             return
         try:
-            peer = self._current(peer)
+            current = self._current(peer)
         except (OSError, MetadataError) as exc:
             err = TransportBroken(f"peer unreachable over shm: {exc}", peer=peer.name, path="shm")
             for s in slices:
                 s.complete(err)
             return
+        # The engine resolved each slice's region against ``peer``; after a refresh those may be
+        # stale, so _copy looks them up again in the new descriptor.
+        fresh = current is peer
         path = f"shm pid {peer.pid}"
         total = 0
         for s in slices:
@@ -179,24 +190,48 @@ class ShmTransport(Transport):
             # The caller waits anyway (or the copy is tiny): copy here. One thread already runs
             # memcpy near memory bandwidth, and a handoff to the workers costs more than it buys.
             for s in slices:
-                self._run(peer, s)
+                self._run(current, s, s.region if fresh else None)
             return
         for s in slices:
-            self._q.put((peer, s))
+            self._q.put((current, s, s.region if fresh else None))
 
     def _current(self, peer: SegmentDesc) -> SegmentDesc:
         """Return an up-to-date descriptor: verify the epoch page, re-fetch if it moved."""
         if peer.pid == os.getpid():
             return peer
-        _, fd_s, ino_s = peer.endpoints["shm"].split(":")
-        st = os.stat(f"/proc/{peer.pid}/fd/{fd_s}")  # ESRCH/ENOENT: the peer is gone
-        if st.st_ino != int(ino_s):
-            raise OSError(0, "peer process was replaced (epoch page inode changed)")
+        self._check_alive(peer)
         m = self._epoch_mapping(peer)
         (epoch,) = struct.unpack_from("<Q", m.mm, 0)
+        if epoch == _CLOSED_EPOCH:
+            raise OSError(errno.ESHUTDOWN, "peer closed its shm transport")
         if epoch != peer.epoch:
             peer = self.ctx.refresh_peer(peer.name)
         return peer
+
+    def _check_alive(self, peer: SegmentDesc) -> None:
+        """Raise OSError if ``peer``'s process is gone. The first contact pins the process with
+        a pidfd (after checking its epoch page is really the peer's); later checks are one
+        poll() on it, so a recycled PID can never receive our bytes."""
+        pidfd = self._pidfds.get(peer.pid)
+        if pidfd is None:
+            _, fd_s, ino_s = peer.endpoints["shm"].split(":")
+            fd = os.pidfd_open(peer.pid)
+            try:
+                if os.stat(f"/proc/{peer.pid}/fd/{fd_s}").st_ino != int(ino_s):
+                    raise OSError(errno.ESRCH, "peer process was replaced (epoch page changed)")
+            except BaseException:
+                os.close(fd)
+                raise
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            pidfd = (fd, poller)
+            with self._lock:
+                old = self._pidfds.setdefault(peer.pid, pidfd)
+            if old is not pidfd:
+                os.close(fd)
+                pidfd = old
+        if pidfd[1].poll(0):  # readable pidfd: the process exited
+            raise OSError(errno.ESRCH, f"peer process {peer.pid} exited")
 
     def _work(self) -> None:
         while True:
@@ -205,9 +240,9 @@ class ShmTransport(Transport):
                 return
             self._run(*item)
 
-    def _run(self, peer: SegmentDesc, s: Slice) -> None:
+    def _run(self, peer: SegmentDesc, s: Slice, region: RegionDesc | None) -> None:
         try:
-            self._copy(peer, s)
+            self._copy(peer, s, region)
         except AccessViolation as exc:
             s.complete(exc)
         except OSError as exc:
@@ -215,13 +250,19 @@ class ShmTransport(Transport):
         else:
             s.complete(None)
 
-    def _copy(self, peer: SegmentDesc, s: Slice) -> None:
+    def _copy(self, peer: SegmentDesc, s: Slice, region: RegionDesc | None) -> None:
         write = s.op is TransferOp.WRITE
-        region = peer.find_region(s.remote_addr, s.length)
-        need = Access.WRITE if write else Access.READ
-        if region is None or need & ~Access(region.access):
+        if region is None:
+            region = peer.find_region(s.remote_addr, s.length)
+        need = _WRITE if write else _READ
+        if (
+            region is None
+            or not region.contains(s.remote_addr, s.length)
+            or not need & region.access
+        ):
             raise AccessViolation(
-                f"{s.remote_addr:#x}+{s.length} is not a registered {need.name} range of the peer",
+                f"{s.remote_addr:#x}+{s.length} is not a registered "
+                f"{'WRITE' if write else 'READ'} range of the peer",
                 peer=peer.name,
                 path=s.path,
             )
@@ -238,6 +279,9 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
+        if self._epoch_map is not None:
+            # Peers keep our epoch page mapped; tell them before our memory may go away.
+            struct.pack_into("<Q", self._epoch_map, 0, _CLOSED_EPOCH)
         for _ in self._workers:
             self._q.put(None)
         for t in self._workers:
@@ -249,6 +293,9 @@ class ShmTransport(Transport):
             del m._pin
             with contextlib.suppress(BufferError):
                 m.mm.close()
+        for fd, _ in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
         if self._epoch_map is not None:
             self._epoch_map.close()
             self._epoch_map = None
