@@ -458,7 +458,10 @@ class TransferEngine:
                 s.key = (peer.name, transport.name, s.lane)
                 groups.setdefault((id(transport), peer.name), (transport, peer, []))[2].append(s)
         for transport, peer, slices in groups.values():
-            self._watch_slices(slices)
+            # A synchronous submission runs in this thread, bounded by kernel socket timeouts
+            # or a plain memcpy; only slices that may sit in a queue need the watchdog.
+            if not _inline:
+                self._watch_slices(slices)
             transport.submit(peer, slices, inline_ok=_inline)
         return batch
 
@@ -617,6 +620,7 @@ class TransferEngine:
         s.key = (s.peer.name, t.name, lane)
         s.tried.add((t.name, lane))
         s.attempts += 1
+        self._watch_slices([s])  # a retried slice may wait on a lane: watch its deadline
         t.submit(s.peer, [s])
 
     # -- deadlines --------------------------------------------------------------------------

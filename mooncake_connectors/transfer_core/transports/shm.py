@@ -104,7 +104,7 @@ class ShmTransport(Transport):
         self._q: queue.SimpleQueue[tuple[SegmentDesc, Slice, RegionDesc | None] | None] = (
             queue.SimpleQueue()
         )
-        self._pidfds: dict[int, tuple[int, select.poll]] = {}
+        self._pidfds: dict[int, int] = {}  # peer pid -> pidfd
         self._workers: list[threading.Thread] = []
         self._epoch_fd = -1
         self._epoch_map: mmap.mmap | None = None
@@ -222,15 +222,13 @@ class ShmTransport(Transport):
             except BaseException:
                 os.close(fd)
                 raise
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            pidfd = (fd, poller)
             with self._lock:
-                old = self._pidfds.setdefault(peer.pid, pidfd)
-            if old is not pidfd:
+                pidfd = self._pidfds.setdefault(peer.pid, fd)
+            if pidfd != fd:
                 os.close(fd)
-                pidfd = old
-        if pidfd[1].poll(0):  # readable pidfd: the process exited
+        # A readable pidfd means the process exited. select() keeps no state, so any number of
+        # threads may ask at once (a shared poll object may not be polled concurrently).
+        if select.select([pidfd], [], [], 0)[0]:
             raise OSError(errno.ESRCH, f"peer process {peer.pid} exited")
 
     def _work(self) -> None:
@@ -293,7 +291,7 @@ class ShmTransport(Transport):
             del m._pin
             with contextlib.suppress(BufferError):
                 m.mm.close()
-        for fd, _ in self._pidfds.values():
+        for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
         if self._epoch_map is not None:

@@ -37,6 +37,8 @@ from .tcp_server import TcpServer, _tune
 
 log = logging.getLogger(__name__)
 
+_WAITALL = socket.MSG_WAITALL
+_RESP_SIZE = wire.RESP.size
 _COALESCE = 64  # most requests one sendmsg carries
 _INLINE_PAYLOAD = 256 * 1024  # WRITE bytes an async submit may send from the caller's thread
 _DIRECT_CHUNK = 512  # requests sent before their answers are read, on a direct connection
@@ -284,6 +286,7 @@ class _Direct:
         self.path = path
         self.ids = itertools.count(1)
         self.hdr = bytearray(wire.RESP.size)
+        self.hv = memoryview(self.hdr)
         self.timeout = -1.0  # kernel timeout currently set, seconds
 
     def bound(self, seconds: float) -> None:
@@ -414,7 +417,9 @@ class TcpTransport(Transport):
                 bufs, rids = frame(chunk, conn.ids)
                 wire.sendmsg_all(sock, bufs)
                 for s, rid in zip(chunk, rids, strict=True):
-                    wire.recv_exact(sock, memoryview(conn.hdr))
+                    k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
+                    if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
+                        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv)
                     result = finish_response(sock, conn.hdr, s, rid, peer.name, conn.path)
                     done += 1
                     s.complete(result)
