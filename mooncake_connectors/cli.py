@@ -101,6 +101,33 @@ def metadata_server(
         server.stop()
 
 
+@app.command()
+def proxy(
+    prefill: Annotated[
+        list[str], typer.Option("--prefill", help="Prefill base URL; repeat or comma-separate.")
+    ],
+    decode: Annotated[
+        list[str], typer.Option("--decode", help="Decode base URL; repeat or comma-separate.")
+    ],
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed for one upstream call.")] = 600.0,
+    verbose: Verbose = 0,
+) -> None:
+    """OpenAI-compatible PD proxy: prefill leg, then decode leg with the KV transfer params."""
+    _setup_logging(verbose)
+    try:
+        from .conductor.proxy import run_proxy
+    except ImportError as exc:
+        raise SystemExit(
+            f"the proxy needs aiohttp ({exc}): pip install 'mooncake-connectors[proxy]'"
+        ) from exc
+    prefill = [u.strip() for arg in prefill for u in arg.split(",") if u.strip()]
+    decode = [u.strip() for arg in decode for u in arg.split(",") if u.strip()]
+    typer.echo(f"PD proxy on http://{host}:{port} prefill={prefill} decode={decode}", err=True)
+    run_proxy(prefill, decode, host=host, port=port, timeout=timeout)
+
+
 @bench_app.command("transfer")
 def bench_transfer(
     transports: Annotated[
