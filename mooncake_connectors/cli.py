@@ -168,6 +168,50 @@ def bench_transfer(
     typer.echo(text)
 
 
+@bench_app.command("vllm-pd")
+def bench_vllm_pd(
+    lengths: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths in tokens.")
+    ] = "512,1024,2048,4096,8192",
+    rounds: Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    mooncake: Annotated[
+        bool, typer.Option(help="Also run vLLM's MooncakeConnector when Mooncake's wheel is there.")
+    ] = True,
+    layers: Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")] = 4,
+    kv_heads: Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")] = 4,
+    work_dir: Annotated[
+        str | None, typer.Option(help="Keep the model and the engine logs here.")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """vLLM prefill/decode: KV transfer time per request, ours beside vLLM's MooncakeConnector."""
+    _setup_logging(verbose)
+    from pathlib import Path
+
+    from .adapters.vllm.bench import run_pd_benchmark
+
+    with _progress("bench vllm-pd") as advance:
+        result = run_pd_benchmark(
+            lengths=[int(x) for x in lengths.split(",") if x.strip()],
+            rounds=rounds,
+            max_tokens=max_tokens,
+            with_mooncake=mooncake,
+            layers=layers,
+            kv_heads=kv_heads,
+            work_dir=Path(work_dir) if work_dir else None,
+            progress=advance,
+        )
+    text = json.dumps(result, indent=2)
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text + "\n")
+    typer.echo(text)
+
+
 def main() -> None:
     try:
         app()

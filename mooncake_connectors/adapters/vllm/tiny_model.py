@@ -1,16 +1,19 @@
 """Build a tiny random Llama with a byte-level BPE tokenizer, locally and repeatably.
 
-There is no model hub here, so the vLLM tests make their own model (ENGINES.md recipe): a BPE
-tokenizer trained on the standard library's Python sources and a randomly initialised
-``LlamaForCausalLM`` saved in bf16. The seed is fixed, so two builds give the same weights.
+For tests, benchmarks and demos on machines without a model hub: a BPE tokenizer trained on the
+standard library's Python sources and a randomly initialised ``LlamaForCausalLM`` saved in bf16
+(2 layers, hidden 256, 4 heads, 2 KV heads of 64: about 1.7 M parameters, 1 KiB of KV per token).
+The seed is fixed, so two builds give the same weights. Needs ``transformers`` and ``tokenizers``
+(both come with vLLM).
 
-    python integration_tests/vllm/tiny_model.py OUT_DIR
+    python -m mooncake_connectors.adapters.vllm.tiny_model OUT_DIR [LAYERS KV_HEADS]
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 VOCAB = 1024
 MAX_POSITIONS = 10240  # room for the benchmark's 8k-token prompts
@@ -28,13 +31,16 @@ def corpus_files(limit: int = 200) -> list[str]:
     return [str(p) for p in sorted(stdlib.glob("*.py"))[:limit]]
 
 
-def build(out: Path) -> Path:
+def build(out: Path, *, layers: int = 2, kv_heads: int = 2) -> Path:
     """Write the model into ``out`` (created) and return it; a finished build is reused."""
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
+    import importlib
+
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tf: Any = importlib.import_module("transformers")  # its stubs lag its API; used untyped
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -47,30 +53,31 @@ def build(out: Path) -> Path:
         show_progress=False,
     )
     tok.train(corpus_files(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.model_max_length = MAX_POSITIONS
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
 
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(
+    cfg = tf.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_hidden_layers=layers,
+        num_attention_heads=max(4, kv_heads),
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1])))
+    extra = [int(a) for a in sys.argv[2:4]]
+    print(build(Path(sys.argv[1]), **dict(zip(("layers", "kv_heads"), extra, strict=False))))
