@@ -183,6 +183,9 @@ def bench_vllm_pd(
     work_dir: Annotated[
         str | None, typer.Option(help="Keep the model and the engine logs here.")
     ] = None,
+    transports: Annotated[
+        str, typer.Option(help="Our connector's transports, in preference order.")
+    ] = "shm,tcp",
     output: Annotated[
         str | None, typer.Option("--output", "-o", help="Also write JSON here.")
     ] = None,
@@ -203,6 +206,7 @@ def bench_vllm_pd(
             layers=layers,
             kv_heads=kv_heads,
             work_dir=Path(work_dir) if work_dir else None,
+            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
             progress=advance,
         )
     text = json.dumps(result, indent=2)

@@ -87,10 +87,16 @@ class _Stats:
 
 
 class _Ours:
-    name = "mooncake-connectors MooncakeConnectorsPD"
+    def __init__(self, transports: list[str]) -> None:
+        self.transports = transports
+        self.name = f"mooncake-connectors MooncakeConnectorsPD ({','.join(transports)})"
 
     def kv(self, role: str) -> dict[str, Any]:
-        return {"kv_connector": "MooncakeConnectorsPD", "kv_role": role}
+        return {
+            "kv_connector": "MooncakeConnectorsPD",
+            "kv_role": role,
+            "kv_connector_extra_config": {"transports": self.transports},
+        }
 
     def env(self) -> dict[str, str]:
         return {}
@@ -206,6 +212,7 @@ def run_pd_benchmark(
     layers: int = 4,
     kv_heads: int = 4,
     work_dir: Path | None = None,
+    transports: tuple[str, ...] = ("shm", "tcp"),
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
@@ -214,7 +221,7 @@ def run_pd_benchmark(
     work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-pd-"))
     work.mkdir(parents=True, exist_ok=True)
     model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
-    runners: list[Any] = [_Ours()]
+    runners: list[Any] = [_Ours(list(transports))]
     skipped = None
     if with_mooncake:
         if importlib.util.find_spec("mooncake") is None:
