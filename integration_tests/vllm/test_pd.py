@@ -93,6 +93,7 @@ def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
     prompts = [prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
     reference = [token_ids(completion(pd.prefill.url, p, MAX_TOKENS)) for p in prompts]
     hits_before = pd.decode.metric("vllm:external_prefix_cache_hits_total")
+    p2p_before = pd.decode.metric("vllm:prompt_tokens_cached_by_source_total", 'source="p2p"')
     for i, p in enumerate(prompts):
         answer = completion(pd.proxy.url, p, MAX_TOKENS)
         assert token_ids(answer) == reference[i], f"prompt {i} ({len(p)} tokens) differs"
@@ -100,6 +101,8 @@ def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
     # The decode engine took every prompt token from the prefill instead of computing it.
     hits = pd.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
     assert hits == sum(PROMPT_LENGTHS)
+    p2p = pd.decode.metric("vllm:prompt_tokens_cached_by_source_total", 'source="p2p"') - p2p_before
+    assert p2p == sum(PROMPT_LENGTHS)  # attributed to a peer instance (CacheHitSource.P2P)
 
 
 def test_proxy_chat_and_streaming(pd: PD) -> None:

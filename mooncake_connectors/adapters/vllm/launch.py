@@ -170,13 +170,13 @@ class VllmServer(Server):
         env.update(self.env)
         return env
 
-    def metric(self, name: str) -> float:
-        """Sum of a Prometheus counter over its label sets (0 when absent)."""
+    def metric(self, name: str, label: str = "") -> float:
+        """Sum of a Prometheus metric over its label sets that contain ``label`` (0: absent)."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

@@ -256,14 +256,14 @@ class PDWorker:
                     self._recv_done.add(spec.request_id)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self.engine is not None:
+            self.engine.close()  # loads still in flight fail now instead of at their deadline
+        self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             clients, self._clients = self._clients, []
-        for c in clients:
+        for c in clients:  # after the pool: each client belongs to one of its threads
             c.close()
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        self.engine = None
