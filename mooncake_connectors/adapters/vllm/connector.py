@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class MooncakeConnectorsPD(KVConnectorBase_V1):
+class MooncakeConnectorsPD(KVConnectorBase_V1):  # type: ignore[misc]  # Any without vLLM
     """Prefill → decode KV transfer over mooncake-connectors' transfer engine (decode pulls)."""
 
     _cache_hit_source = CacheHitSource.P2P

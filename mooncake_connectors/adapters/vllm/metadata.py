@@ -90,13 +90,13 @@ class RecvSpec:
 
 
 @dataclasses.dataclass
-class PDConnectorMetadata(KVConnectorMetadata):
+class PDConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # Any without vLLM
     recv: list[RecvSpec] = dataclasses.field(default_factory=list)
     send: dict[str, float] = dataclasses.field(default_factory=dict)  # request id -> lease (s)
 
 
 @dataclasses.dataclass
-class PDHandshake(KVConnectorHandshakeMetadata):
+class PDHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """From each worker to its scheduler side: where that TP rank's side channel listens."""
 
     tp_rank: int

@@ -17,7 +17,7 @@ _KEYS = ("load_seconds", "load_bytes", "load_requests", "failed_loads", "expired
 
 
 @dataclasses.dataclass
-class PDStats(KVConnectorStats):
+class PDStats(KVConnectorStats):  # type: ignore[misc]  # Any without vLLM
     """Lists of observations since the last snapshot (one entry per request or event)."""
 
     def __post_init__(self) -> None:
