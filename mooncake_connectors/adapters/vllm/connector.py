@@ -51,7 +51,14 @@ class MooncakeConnectorsPD(KVConnectorBase_V1):  # type: ignore[misc]  # Any wit
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PDScheduler(config, vllm_config, engine_id)
         else:
-            self._worker = PDWorker(config, vllm_config, engine_id, kv_cache_config.num_blocks)
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            self._worker = PDWorker(
+                config,
+                vllm_config,
+                engine_id,
+                kv_cache_config.num_blocks,
+                int(getattr(spec, "num_kv_heads", 0) or 0),
+            )
 
     # -- scheduler side ----------------------------------------------------------------------
     @property

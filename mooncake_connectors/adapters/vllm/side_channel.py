@@ -28,13 +28,19 @@ log = logging.getLogger(__name__)
 
 
 class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
-    """Where one layer's KV blocks are: block ``b`` is ``block_bytes`` at ``addr + b*stride``."""
+    """Where one layer's KV blocks are: block ``b`` is ``block_bytes`` at ``addr + b*stride``.
+
+    ``head_bytes``: when KV heads are the outermost dimension inside a block (vLLM's CPU layout),
+    the bytes of one head's part of a block, so a range of heads is one contiguous range; 0 when
+    heads are interleaved (then blocks move only whole, between equal TP sizes).
+    """
 
     name: str
     addr: int
     stride: int
     block_bytes: int
     num_blocks: int
+    head_bytes: int = 0
 
 
 class WorkerLayout(msgspec.Struct, frozen=True):
@@ -60,10 +66,17 @@ class LayoutReply(msgspec.Struct, tag="layout_reply"):
 
 
 class Done(msgspec.Struct, tag="done"):
-    """The sender has finished reading (or gave up on) these requests' blocks."""
+    """The sender has finished reading (or gave up on) these requests' blocks.
+
+    ``reader`` is the sender's TP rank, ``readers`` how many decode ranks read this prefill
+    rank's blocks (more than one when decode has the larger TP): the blocks are freed once all
+    of them are done.
+    """
 
     engine_id: str
     request_ids: list[str]
+    reader: int = 0
+    readers: int = 1
 
 
 Message = LayoutRequest | LayoutReply | Done
@@ -194,10 +207,18 @@ class SideChannelClient:
             f"side channel {endpoint} did not answer within {self.timeout}s", peer=endpoint
         )
 
-    def notify_done(self, endpoint: str, engine_id: str, request_ids: list[str]) -> None:
+    def notify_done(
+        self,
+        endpoint: str,
+        engine_id: str,
+        request_ids: list[str],
+        reader: int = 0,
+        readers: int = 1,
+    ) -> None:
         """Best effort: the peer also frees the blocks when its lease runs out."""
+        msg = Done(engine_id, request_ids, reader, readers)
         try:
-            self._sock(endpoint).send(encode(Done(engine_id, request_ids)), zmq.NOBLOCK)
+            self._sock(endpoint).send(encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # zmq.Again: the queue to a dead peer is full
             log.debug("could not notify %s: %s", endpoint, exc)
             self._drop(endpoint)

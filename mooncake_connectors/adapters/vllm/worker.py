@@ -25,7 +25,14 @@ from ...errors import ConfigError, MooncakeConnectorsError, TransferError
 from ...transfer_core import TransferEngine
 from ...types import Access, TransferStatus
 from .config import PDConfig
-from .layout import check_compatible, layer_layouts, plan_reads, register_spans
+from .layout import (
+    check_compatible,
+    layer_layouts,
+    plan_reads,
+    readers_per_source,
+    register_spans,
+    source_ranks,
+)
 from .metadata import PDConnectorMetadata, PDHandshake, RecvSpec
 from .side_channel import Done, SideChannelClient, SideChannelServer, WorkerLayout
 from .stats import PDStats
@@ -44,13 +51,19 @@ class _Refused(MooncakeConnectorsError):
 
 class PDWorker:
     def __init__(
-        self, config: PDConfig, vllm_config: VllmConfig, engine_id: str, num_blocks: int
+        self,
+        config: PDConfig,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        num_blocks: int,
+        num_kv_heads: int = 0,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size: int = vllm_config.cache_config.block_size
         self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
         self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads  # this rank's, from vLLM's KV cache spec
         self.tp_rank = 0
         self.engine: TransferEngine | None = None
         self.layout: WorkerLayout | None = None
@@ -61,7 +74,8 @@ class PDWorker:
         self._lock = threading.Lock()
         self._layouts: dict[tuple[str, str], WorkerLayout] = {}
         self._sending: dict[str, float] = {}  # prefill request id -> lease deadline
-        self._done: dict[str, float] = {}  # Done received (maybe before the lease began)
+        # Done received (maybe before the lease began): request id -> (first seen, readers, ranks)
+        self._done: dict[str, tuple[float, int, set[int]]] = {}
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
         self.stats = PDStats()
@@ -75,7 +89,7 @@ class PDWorker:
             raise ConfigError("no KV cache tensors to register")
         layers = []
         for name, tensor in kv_caches.items():
-            layers.extend(layer_layouts(name, tensor, self.num_blocks))
+            layers.extend(layer_layouts(name, tensor, self.num_blocks, self.num_kv_heads))
         first = next(iter(kv_caches.values()))
         location = f"cuda:{first.device.index or 0}" if first.device.type == "cuda" else "cpu:0"
         engine = TransferEngine(self.config.engine_config()).start()
@@ -135,7 +149,9 @@ class PDWorker:
         now = time.monotonic()
         with self._lock:
             for rid in msg.request_ids:
-                self._done[rid] = now
+                first, _, ranks = self._done.get(rid, (now, msg.readers, set()))
+                ranks.add(msg.reader)
+                self._done[rid] = (first, max(1, msg.readers), ranks)
 
     # -- per step ----------------------------------------------------------------------------
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
@@ -150,14 +166,18 @@ class PDWorker:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         now = time.monotonic()
         with self._lock:
-            sent = {rid for rid in self._sending if rid in self._done}
+            sent = {
+                rid
+                for rid in self._sending
+                if rid in self._done and len(self._done[rid][2]) >= self._done[rid][1]
+            }
             expired = {rid for rid, end in self._sending.items() if end <= now} - sent
             for rid in sent | expired:
                 del self._sending[rid]
                 self._done.pop(rid, None)
             # Done notices for requests we never held (aborted prefills) do not pile up.
             horizon = now - self.config.kv_lease
-            for rid in [r for r, t in self._done.items() if t < horizon]:
+            for rid in [r for r, (t, _, _) in self._done.items() if t < horizon]:
                 del self._done[rid]
             recved, self._recv_done = self._recv_done, set()
         for rid in expired:
@@ -199,27 +219,26 @@ class PDWorker:
 
     def _load(self, spec: RecvSpec) -> None:
         remote = spec.remote
-        endpoint = remote.side_channels[self.tp_rank % len(remote.side_channels)]
         failed: set[int] = set()
         t0 = time.perf_counter()
         nbytes = nreqs = 0
+        endpoints = list(remote.side_channels)  # until we know which ranks we read from
+        readers = 1
         try:
+            ranks = source_ranks(self.tp_rank, self.tp_size, remote.tp_size)
+            readers = readers_per_source(self.tp_size, remote.tp_size)
+            endpoints = [remote.side_channels[r] for r in ranks]
             if not spec.local_block_ids:
                 return  # release only
             failed = set(spec.local_block_ids)  # until proven otherwise
             if spec.error:
                 raise _Refused(spec.error)
-            if remote.tp_size != self.tp_size:
-                raise _Refused(
-                    f"prefill TP {remote.tp_size} != decode TP {self.tp_size} "
-                    "(heterogeneous TP is not supported yet)"
-                )
             if time.time() + self.config.transfer_timeout > remote.expires_at:
                 raise _Refused("the prefill's lease on these blocks ends before a read could")
-            layout = self._remote_layout(remote.engine_id, endpoint)
+            layouts = [self._remote_layout(remote.engine_id, ep) for ep in endpoints]
             assert self.layout is not None and self.engine is not None
             reqs, owners = plan_reads(
-                self.layout, layout, spec.local_block_ids, spec.remote_block_ids
+                self.layout, layouts, spec.local_block_ids, spec.remote_block_ids
             )
             t0 = time.perf_counter()
             batch = self.engine.submit(reqs, timeout=self.config.transfer_timeout)
@@ -238,14 +257,17 @@ class PDWorker:
             log.warning(
                 "request %s: KV load from %s failed, %d blocks will be recomputed: %s",
                 spec.request_id,
-                endpoint,
+                endpoints,
                 len(failed),
                 exc,
             )
         except Exception:  # never lose a request: anything else is a failed load too
-            log.exception("request %s: KV load from %s failed", spec.request_id, endpoint)
+            log.exception("request %s: KV load from %s failed", spec.request_id, endpoints)
+            failed = set(spec.local_block_ids)
         finally:
-            self._client().notify_done(endpoint, remote.engine_id, [remote.request_id])
+            client = self._client()
+            for ep in endpoints:
+                client.notify_done(ep, remote.engine_id, [remote.request_id], self.tp_rank, readers)
             if spec.local_block_ids:
                 if failed:
                     self.stats.record_failed_load()
