@@ -3,15 +3,19 @@
 No model runs: the tests build vLLM's own VllmConfig, KVCacheConfig, Scheduler and Request
 objects, play the worker's part with ModelRunnerOutput / KVConnectorOutput, and check what the
 scheduler does with our answers: held and freed blocks, the transfer parameters, the blocks the
-worker is told to fill, recompute after load errors.
+worker is told to fill, recompute after load errors. The last tests drive the worker side's
+bookkeeping (Done, leases, failed loads) with a real side-channel socket.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+from helpers import wait_until
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
@@ -29,8 +33,17 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from mooncake_connectors.adapters.vllm import plugin
+from mooncake_connectors.adapters.vllm.config import PDConfig
 from mooncake_connectors.adapters.vllm.connector import MooncakeConnectorsPD
-from mooncake_connectors.adapters.vllm.metadata import PDConnectorMetadata, PDHandshake, prompt_hash
+from mooncake_connectors.adapters.vllm.metadata import (
+    PDConnectorMetadata,
+    PDHandshake,
+    RecvSpec,
+    RemotePrefill,
+    prompt_hash,
+)
+from mooncake_connectors.adapters.vllm.side_channel import Done, decode
+from mooncake_connectors.adapters.vllm.worker import PDWorker
 from mooncake_connectors.errors import ConfigError, PluginError
 
 pytestmark = pytest.mark.vllm
@@ -252,3 +265,64 @@ def test_decode_with_a_local_prefix_hit_loads_only_the_rest(tiny_model: Path) ->
     step(s, kv=KVConnectorOutput(finished_recving={"d-5"}))
     out, _ = step(s, {"d-5": 9})
     assert out.num_scheduled_tokens == {"d-5": 1}
+
+
+# -- worker-side bookkeeping (no KV registered: the lease and Done logic, failure reporting) --
+
+
+def make_worker(model: Path, **extra: Any) -> PDWorker:
+    s = make_scheduler(model, "kv_both", extra)
+    return PDWorker(PDConfig.from_extra_config(extra), s.vllm_config, "eng", NUM_BLOCKS)
+
+
+def test_worker_frees_prefill_blocks_on_done_from_every_reader_or_at_lease_end(
+    tiny_model: Path,
+) -> None:
+    w = make_worker(tiny_model, kv_lease=30, transfer_timeout=1)
+    try:
+        w._on_done(Done("eng", ["early"], 0, 1))  # Done may beat the scheduler's metadata
+        w._on_done(Done("other-engine", ["a"], 0, 1))  # not ours: ignored
+        w.start_load_kv(PDConnectorMetadata(send={"a": 30.0, "early": 30.0, "b": 0.3}))
+        assert w.get_finished() == ({"early"}, None)
+        w._on_done(Done("eng", ["a"], 0, 2))  # the first of two decode ranks
+        assert w.get_finished() == (None, None)
+        w._on_done(Done("eng", ["a"], 0, 2))  # the same rank again does not count twice
+        assert w.get_finished() == (None, None)
+        w._on_done(Done("eng", ["a"], 1, 2))
+        assert w.get_finished() == ({"a"}, None)
+        wait_until(lambda: w.get_finished()[0] == {"b"}, 5, "the lease of b to end")
+        assert w.stats.take() is not None  # the expired lease was counted
+    finally:
+        w.shutdown()
+
+
+def test_worker_reports_blocks_of_an_unreachable_prefill_as_load_errors(tiny_model: Path) -> None:
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # a side channel that never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    w = make_worker(tiny_model, handshake_timeout=0.5, transfer_timeout=2)
+    try:
+        remote = RemotePrefill.parse(
+            remote_params(PROMPT, remote_side_channels=[f"tcp://127.0.0.1:{port}"])
+        )
+        assert remote is not None
+        w.start_load_kv(PDConnectorMetadata(recv=[RecvSpec("d-9", [4, 5, 6], [1, 2, 3], remote)]))
+        t0 = time.monotonic()
+        wait_until(lambda: "d-9" in (w._recv_done or ()), 10, "the failed load to finish")
+        assert time.monotonic() - t0 < 5
+        assert w.get_finished() == (None, {"d-9"})
+        assert w.take_load_errors() == {4, 5, 6}
+        assert w.take_load_errors() == set()
+        # and the prefill was told (after the unanswered layout request), so it frees its
+        # blocks before the lease ends
+        got = []
+        while mute.poll(2000):
+            _identity, payload = mute.recv_multipart()
+            got.append(decode(payload))
+            if isinstance(got[-1], Done):
+                break
+        assert got[-1] == Done("prefill-engine", ["p-1"], 0, 1), got
+    finally:
+        w.shutdown()
+        mute.close()
