@@ -98,19 +98,21 @@ def test_prefill_leg_then_decode_leg_round_robin() -> None:
             async with aiohttp.ClientSession() as s:
                 answers = []
                 for i in range(4):
-                    body = {"model": "m", "prompt": f"p{i}", "max_tokens": 50, "stream": False}
+                    body = {"model": "m", "prompt": f"p{i}", "max_tokens": 50, "min_tokens": 9}
                     async with s.post(url + "/v1/completions", json=body) as r:
                         assert r.status == 200
                         answers.append(await r.json())
             # the prefill leg: one token, no stream, asks for the KV to be kept for decode
             for leg in prefill[0].bodies + prefill[1].bodies:
                 assert leg["max_tokens"] == 1 and leg["stream"] is False
+                assert "min_tokens" not in leg
                 assert leg["kv_transfer_params"]["do_remote_decode"] is True
             # round-robin on both lists
             assert [len(u.bodies) for u in (*prefill, *decode)] == [2, 2, 2, 2]
             # the decode leg is the client's request plus the prefill's transfer params
             assert [a["got"] for a in answers] == [{"from": p} for p in ("p0", "p1", "p0", "p1")]
             assert decode[0].bodies[0]["max_tokens"] == 50
+            assert decode[0].bodies[0]["min_tokens"] == 9
 
     run(go())
 

@@ -89,7 +89,8 @@ class PDProxy:
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         leg["stream"] = False
-        leg.pop("stream_options", None)
+        for key in ("stream_options", "min_tokens", "n", "best_of"):
+            leg.pop(key, None)  # one token, one sequence: nothing that contradicts max_tokens=1
         leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
         url = self.prefill[next(self._next_prefill)] + path
         try:
