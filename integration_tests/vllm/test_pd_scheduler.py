@@ -314,6 +314,12 @@ def test_worker_reports_blocks_of_an_unreachable_prefill_as_load_errors(tiny_mod
         assert w.get_finished() == (None, {"d-9"})
         assert w.take_load_errors() == {4, 5, 6}
         assert w.take_load_errors() == set()
+        # a load queued right behind it fails at once rather than waiting out its own deadline
+        w.start_load_kv(PDConnectorMetadata(recv=[RecvSpec("d-10", [7], [1], remote)]))
+        t0 = time.monotonic()
+        wait_until(lambda: "d-10" in (w._recv_done or ()), 5, "the second load to fail")
+        assert time.monotonic() - t0 < 0.4
+        assert w.get_finished() == (None, {"d-10"}) and w.take_load_errors() == {7}
         # and the prefill was told (after the unanswered layout request), so it frees its
         # blocks before the lease ends
         got = []

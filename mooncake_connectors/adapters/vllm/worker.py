@@ -73,6 +73,7 @@ class PDWorker:
         self._clients: list[SideChannelClient] = []
         self._lock = threading.Lock()
         self._layouts: dict[tuple[str, str], WorkerLayout] = {}
+        self._silent: dict[str, float] = {}  # side channel -> until when it is taken as down
         self._sending: dict[str, float] = {}  # prefill request id -> lease deadline
         # Done received (maybe before the lease began): request id -> (first seen, readers, ranks)
         self._done: dict[str, tuple[float, int, set[int]]] = {}
@@ -204,8 +205,18 @@ class PDWorker:
         key = (engine_id, endpoint)
         with self._lock:
             layout = self._layouts.get(key)
+            silent_until = self._silent.get(endpoint, 0.0)
         if layout is None:
-            layout = self._client().fetch_layout(endpoint)
+            if time.monotonic() < silent_until:
+                # It just failed to answer: fail the loads queued behind it at once instead of
+                # letting each wait out its own handshake deadline.
+                raise _Refused(f"side channel {endpoint} did not answer a moment ago")
+            try:
+                layout = self._client().fetch_layout(endpoint)
+            except TransferError:
+                with self._lock:
+                    self._silent[endpoint] = time.monotonic() + self.config.handshake_timeout
+                raise
             if layout.engine_id != engine_id:
                 raise _Refused(
                     f"{endpoint} now serves engine {layout.engine_id}, not {engine_id} "
