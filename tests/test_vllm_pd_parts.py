@@ -323,3 +323,24 @@ def test_a_silent_peer_times_out_within_the_deadline() -> None:
     finally:
         client.close()
         mute.close()
+
+
+def test_a_failing_handler_does_not_end_the_side_channel() -> None:
+    ready = threading.Event()
+    layout = WorkerLayout("eng", 0, 1, "seg", "", 32, "bf16", [])
+
+    def get_layout() -> WorkerLayout:
+        if not ready.is_set():
+            raise ConfigError("KV caches not registered yet")
+        return layout
+
+    srv = SideChannelServer("127.0.0.1", 0, get_layout, lambda msg: None)
+    client = SideChannelClient(timeout=0.5)
+    try:
+        with pytest.raises(TransferTimeout):
+            client.fetch_layout(srv.endpoint)  # no answer while not ready
+        ready.set()
+        assert client.fetch_layout(srv.endpoint) == layout
+    finally:
+        client.close()
+        srv.close()

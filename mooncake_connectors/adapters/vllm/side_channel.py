@@ -146,11 +146,14 @@ class SideChannelServer:
             except ProtocolError as exc:
                 log.warning("side channel %s: %s", self.endpoint, exc)
                 continue
-            if isinstance(msg, LayoutRequest):
-                reply = LayoutReply(msg.nonce, self._layout())
-                self._sock.send_multipart([identity, encode(reply)])
-            elif isinstance(msg, Done):
-                self._on_done(msg)
+            try:
+                if isinstance(msg, LayoutRequest):
+                    reply = LayoutReply(msg.nonce, self._layout())
+                    self._sock.send_multipart([identity, encode(reply)])
+                elif isinstance(msg, Done):
+                    self._on_done(msg)
+            except Exception:  # one bad exchange must not end the side channel
+                log.exception("side channel %s: cannot handle %r", self.endpoint, msg)
 
     def close(self) -> None:
         self._stop.set()

@@ -132,7 +132,8 @@ class PDWorker:
         )
 
     def _get_layout(self) -> WorkerLayout:
-        assert self.layout is not None  # the server starts after the layout's parts exist
+        if self.layout is None:  # asked before register_kv_caches finished: no answer yet
+            raise ConfigError("KV caches not registered yet")
         return self.layout
 
     def handshake(self) -> PDHandshake | None:
