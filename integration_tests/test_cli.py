@@ -31,6 +31,7 @@ def test_metadata_server_command() -> None:
         stderr=subprocess.PIPE,
     )
     try:
+
         health = f"http://127.0.0.1:{port}/health"
         wait_until(lambda: http_ok(health), 20, "metadata-server to answer /health")
         m = open_metadata(f"http://127.0.0.1:{port}/metadata")
