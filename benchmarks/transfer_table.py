@@ -29,7 +29,10 @@ def med(values: list[float]) -> str:
 
 
 def main(paths: list[str]) -> None:
-    runs: list[dict[str, Any]] = [json.load(open(p)) for p in paths]
+    runs: list[dict[str, Any]] = []
+    for p in paths:
+        with open(p) as fh:
+            runs.append(json.load(fh))
     labels = [k for k in runs[0]["results"] if not k.startswith("COPY")]
     head = ["case", *SYSTEMS, *CEILINGS, *RATIOS]
     print("| " + " | ".join(head) + " |")

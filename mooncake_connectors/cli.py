@@ -110,6 +110,33 @@ def metadata_server(
         server.stop()
 
 
+@app.command()
+def proxy(
+    prefill: Annotated[
+        list[str], typer.Option("--prefill", help="Prefill base URL; repeat or comma-separate.")
+    ],
+    decode: Annotated[
+        list[str], typer.Option("--decode", help="Decode base URL; repeat or comma-separate.")
+    ],
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed for one upstream call.")] = 600.0,
+    verbose: Verbose = 0,
+) -> None:
+    """OpenAI-compatible PD proxy: prefill leg, then decode leg with the KV transfer params."""
+    _setup_logging(verbose)
+    try:
+        from .conductor.proxy import run_proxy
+    except ImportError as exc:
+        raise SystemExit(
+            f"the proxy needs aiohttp ({exc}): pip install 'mooncake-connectors[proxy]'"
+        ) from exc
+    prefill = [u.strip() for arg in prefill for u in arg.split(",") if u.strip()]
+    decode = [u.strip() for arg in decode for u in arg.split(",") if u.strip()]
+    typer.echo(f"PD proxy on http://{host}:{port} prefill={prefill} decode={decode}", err=True)
+    run_proxy(prefill, decode, host=host, port=port, timeout=timeout)
+
+
 @bench_app.command("transfer")
 def bench_transfer(
     transports: Annotated[
@@ -228,6 +255,50 @@ def simulate(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    _emit(result, output)
+
+
+@bench_app.command("vllm-pd")
+def bench_vllm_pd(
+    lengths: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths in tokens.")
+    ] = "512,1024,2048,4096,8192",
+    rounds: Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    mooncake: Annotated[
+        bool, typer.Option(help="Also run vLLM's MooncakeConnector when Mooncake's wheel is there.")
+    ] = True,
+    layers: Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")] = 4,
+    kv_heads: Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")] = 4,
+    work_dir: Annotated[
+        str | None, typer.Option(help="Keep the model and the engine logs here.")
+    ] = None,
+    transports: Annotated[
+        str, typer.Option(help="Our connector's transports, in preference order.")
+    ] = "shm,tcp",
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """vLLM prefill/decode: KV transfer time per request, ours beside vLLM's MooncakeConnector."""
+    _setup_logging(verbose)
+    from pathlib import Path
+
+    from .adapters.vllm.bench import run_pd_benchmark
+
+    with _progress("bench vllm-pd") as advance:
+        result = run_pd_benchmark(
+            lengths=[int(x) for x in lengths.split(",") if x.strip()],
+            rounds=rounds,
+            max_tokens=max_tokens,
+            with_mooncake=mooncake,
+            layers=layers,
+            kv_heads=kv_heads,
+            work_dir=Path(work_dir) if work_dir else None,
+            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            progress=advance,
+        )
     _emit(result, output)
 
 

@@ -68,8 +68,9 @@ def test_extra_moves_buy_balance_back() -> None:
     budget = plan_elastic(before, load, alive, max_extra_moves=24)
     check_live_only(budget.placement, alive)
     assert minimal.num_moves < budget.num_moves <= minimal.num_moves + 24
-    assert budget.placement.balance(load, alive).item() < minimal.placement.balance(
-        load, alive).item()
+    assert (
+        budget.placement.balance(load, alive).item() < minimal.placement.balance(load, alive).item()
+    )
 
 
 def test_rejoining_rank_gets_its_slots_filled() -> None:
@@ -127,8 +128,9 @@ def elastic_inputs(draw: st.DrawFn) -> tuple[torch.Tensor, int, int, int, int]:
     least = -(-n // (num_ranks - 1))
     slots = draw(st.integers(least, min(n, least + 2)))
     layers = draw(st.integers(1, 2))
-    values = draw(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=layers * n,
-                           max_size=layers * n))
+    values = draw(
+        st.lists(st.floats(0, 1e4, allow_nan=False), min_size=layers * n, max_size=layers * n)
+    )
     dead = draw(st.integers(0, num_ranks - 1))
     load = torch.tensor(values, dtype=torch.float64).view(layers, n)
     return load, num_ranks * slots, num_ranks, dead, draw(st.integers(0, 4))

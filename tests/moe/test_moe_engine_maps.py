@@ -54,8 +54,12 @@ def test_sglang_maps_pad_to_the_number_of_physical_experts() -> None:
     assert torch.equal(maps.logical_to_all_physical_map_num_valid, VLLM_COUNT)
     assert maps.active_ranks.dtype == torch.int32
     assert maps.active_ranks.tolist() == [1, 0, 1]
-    back = from_sglang(maps.physical_to_logical_map, maps.logical_to_all_physical_map,
-                       maps.logical_to_all_physical_map_num_valid, active_ranks=maps.active_ranks)
+    back = from_sglang(
+        maps.physical_to_logical_map,
+        maps.logical_to_all_physical_map,
+        maps.logical_to_all_physical_map_num_valid,
+        active_ranks=maps.active_ranks,
+    )
     assert back.same_as(placement)
     assert alive_from_active_ranks(maps.active_ranks).tolist() == [True, False, True]
 
@@ -68,11 +72,16 @@ def test_empty_slots_survive_a_round_trip_through_both_formats() -> None:
     sglang = to_sglang(degraded, alive=alive)
     # SGLang's elasticity-aware EPLB writes logical 0 into dead slots; so do we by default.
     assert bool((sglang.physical_to_logical_map[0, 12:18] == 0).all())
-    assert from_sglang(sglang.physical_to_logical_map, sglang.logical_to_all_physical_map,
-                       num_ranks=4).same_as(degraded)
+    assert from_sglang(
+        sglang.physical_to_logical_map, sglang.logical_to_all_physical_map, num_ranks=4
+    ).same_as(degraded)
     vllm = to_vllm(degraded, width=1024)  # older vLLM releases size the table this way
-    assert from_vllm(vllm.physical_to_logical_map, vllm.logical_to_physical_map,
-                     vllm.logical_replica_count, num_ranks=4).same_as(degraded)
+    assert from_vllm(
+        vllm.physical_to_logical_map,
+        vllm.logical_to_physical_map,
+        vllm.logical_replica_count,
+        num_ranks=4,
+    ).same_as(degraded)
 
 
 def test_deepseek_style_rebalance_output_is_accepted(reference: ModuleType) -> None:
@@ -80,8 +89,12 @@ def test_deepseek_style_rebalance_output_is_accepted(reference: ModuleType) -> N
     p2l = reference.reference_rebalance(load, 48, 4, 2, 8)
     placement = Placement(p2l, 32, 8)
     maps = to_vllm(placement)
-    again = from_vllm(maps.physical_to_logical_map, maps.logical_to_physical_map,
-                      maps.logical_replica_count, num_ranks=8)
+    again = from_vllm(
+        maps.physical_to_logical_map,
+        maps.logical_to_physical_map,
+        maps.logical_replica_count,
+        num_ranks=8,
+    )
     assert torch.equal(again.physical_to_logical, p2l)
     # And our router runs on an engine-made placement.
     ids = torch.randint(0, 32, (64, 4), generator=torch.Generator().manual_seed(1))
@@ -114,8 +127,9 @@ def test_vllm_state_is_updated_in_place() -> None:
         (VLLM_P2L.float(), VLLM_L2P, VLLM_COUNT, "integer"),
     ],
 )
-def test_inconsistent_maps_raise(p2l: torch.Tensor, l2p: torch.Tensor,
-                                 count: torch.Tensor | None, message: str) -> None:
+def test_inconsistent_maps_raise(
+    p2l: torch.Tensor, l2p: torch.Tensor, count: torch.Tensor | None, message: str
+) -> None:
     with pytest.raises(ConfigError, match=message):
         from_vllm(p2l, l2p, count, num_ranks=3)
 
@@ -148,7 +162,8 @@ def test_round_trip_through_vllm_eplb_model_state() -> None:
     assert ours <= names, f"vLLM renamed its EPLB maps: {sorted(names)}"
     placement = plan_placement(torch.arange(1.0, 33.0), 48, 8)
     required = {
-        f.name: None for f in dataclasses.fields(cls)
+        f.name: None
+        for f in dataclasses.fields(cls)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }
     state = cls(**{**required, **dataclasses.asdict(to_vllm(placement, width=1024))})

@@ -21,8 +21,9 @@ from mooncake_connectors.errors import ConfigError
 # ``store`` (a dict-backed MetadataStore) and ``clock`` (advanced by hand) come from conftest.
 
 
-def setup(store: Any, clock: Any, num_ranks: int = 4) -> tuple[HealthMonitor,
-                                                                list[HeartbeatPublisher]]:
+def setup(
+    store: Any, clock: Any, num_ranks: int = 4
+) -> tuple[HealthMonitor, list[HeartbeatPublisher]]:
     monitor = HealthMonitor(num_ranks, store=store, group="g1", timeout=5.0, clock=clock)
     publishers = [HeartbeatPublisher(store, "g1", r, clock=clock) for r in range(num_ranks)]
     return monitor, publishers

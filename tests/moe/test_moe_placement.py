@@ -40,8 +40,9 @@ def test_rank_load_splits_each_expert_evenly_over_its_replicas() -> None:
     load = torch.tensor([[8.0, 4.0, 2.0, 1.0], [9.0, 3.0, 5.0, 7.0]])
     # layer 0: slots hold 4, 2, 2, 1, 4, 2 -> ranks 6, 3, 6
     # layer 1: slots hold 3, 5, 3, 3, 3, 7 -> ranks 8, 6, 10
-    assert torch.equal(p.rank_load(load), torch.tensor([[6.0, 3.0, 6.0], [8.0, 6.0, 10.0]],
-                                                       dtype=torch.float64))
+    assert torch.equal(
+        p.rank_load(load), torch.tensor([[6.0, 3.0, 6.0], [8.0, 6.0, 10.0]], dtype=torch.float64)
+    )
     ratio = p.balance(load)
     assert ratio[0].item() == pytest.approx(6.0 / 5.0)
     assert ratio[1].item() == pytest.approx(10.0 / 8.0)

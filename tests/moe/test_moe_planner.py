@@ -147,8 +147,9 @@ def test_balance_within_5_percent_of_deepseek_eplb_and_far_below_no_replication(
     best_ours = best_deepseek = float("inf")
     for num_ranks, num_physical, nodes, groups in BALANCE_CASES:
         ours = plan_placement(load, num_physical, num_ranks, num_nodes=nodes, num_groups=groups)
-        ds_p2l = reference.reference_rebalance(load.unsqueeze(0), num_physical, groups, nodes,
-                                               num_ranks)
+        ds_p2l = reference.reference_rebalance(
+            load.unsqueeze(0), num_physical, groups, nodes, num_ranks
+        )
         deepseek = Placement(ds_p2l, n, num_ranks)
         check_full_placement(deepseek, n, num_ranks, num_physical)  # the baseline is sane too
         ours_ratio = ours.balance(load).item()
@@ -199,8 +200,14 @@ def test_property_every_expert_placed_and_capacities_respected(
 ) -> None:
     load, num_physical, num_ranks, nodes, groups = args
     n = load.shape[0]
-    p = plan_placement(load, num_physical, num_ranks, num_nodes=nodes, num_groups=groups,
-                       spread_tolerance=float("inf"))
+    p = plan_placement(
+        load,
+        num_physical,
+        num_ranks,
+        num_nodes=nodes,
+        num_groups=groups,
+        spread_tolerance=float("inf"),
+    )
     check_full_placement(p, n, num_ranks, num_physical)
     slots = num_physical // num_ranks
     per_rank = p.physical_to_logical[0].view(num_ranks, slots)

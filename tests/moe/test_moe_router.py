@@ -45,8 +45,14 @@ class TinyMoE:
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.gate
 
-    def experts(self, x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+    def experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
         h = torch.relu(torch.einsum("td,tkdh->tkh", x, w1[ids]))
         y = torch.einsum("tkh,tkhd->tkd", h, w2[ids])
         return (weights.unsqueeze(-1) * y).sum(1)
@@ -58,8 +64,9 @@ class TinyMoE:
         chosen = top.indices if ids is None else ids
         return self.experts(x, chosen, self.w1, self.w2, weights)
 
-    def forward_routed(self, x: torch.Tensor, router: ExpertRouter,
-                       weights_phys: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def forward_routed(
+        self, x: torch.Tensor, router: ExpertRouter, weights_phys: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
         scores = self.scores(x)
         top = scores.topk(self.top_k, dim=1)
         weights = torch.softmax(top.values, dim=1)
@@ -82,8 +89,9 @@ def test_outputs_unchanged_when_every_expert_keeps_a_healthy_replica(mode: Routi
     moe, placement, x = layer_and_placement()
     expected = moe.forward_logical(x)
     all_alive = torch.ones(RANKS, dtype=torch.bool)
-    healthy = moe.forward_routed(x, ExpertRouter(placement, mode=mode),
-                                 moe.physical(placement, all_alive))
+    healthy = moe.forward_routed(
+        x, ExpertRouter(placement, mode=mode), moe.physical(placement, all_alive)
+    )
     assert torch.equal(healthy, expected)
     checked = 0
     for dead in range(RANKS):
@@ -118,11 +126,40 @@ def test_fully_lost_expert_falls_back_to_next_best_and_is_counted() -> None:
     moe = TinyMoE(DIM, HIDDEN, N, K, seed=0)
     x = torch.randn(256, DIM, generator=torch.Generator().manual_seed(1))
     # Hand-made placement: experts 0 and 1 live only on rank 0; everything else twice.
-    p2l = torch.tensor([0, 1, 2, 3, 4, 5,
-                        2, 3, 4, 5, 6, 7,
-                        6, 7, 8, 9, 10, 11,
-                        12, 13, 14, 15, 8, 9,
-                        10, 11, 12, 13, 14, 15]).unsqueeze(0)
+    p2l = torch.tensor(
+        [
+            0,
+            1,
+            2,
+            3,
+            4,
+            5,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7,
+            6,
+            7,
+            8,
+            9,
+            10,
+            11,
+            12,
+            13,
+            14,
+            15,
+            8,
+            9,
+            10,
+            11,
+            12,
+            13,
+            14,
+            15,
+        ]
+    ).unsqueeze(0)
     placement = Placement(p2l, N, 5)
     alive = torch.tensor([False, True, True, True, True])
     router = ExpertRouter(placement, alive=alive)
@@ -256,8 +293,11 @@ def routing_cases(draw: st.DrawFn) -> tuple[Placement, torch.Tensor, torch.Tenso
     slots = draw(st.integers(1, 4))
     n = draw(st.integers(1, num_ranks * slots))
     # Every expert once, then random extra replicas, shuffled over the slots.
-    extra = draw(st.lists(st.integers(0, n - 1), min_size=num_ranks * slots - n,
-                          max_size=num_ranks * slots - n))
+    extra = draw(
+        st.lists(
+            st.integers(0, n - 1), min_size=num_ranks * slots - n, max_size=num_ranks * slots - n
+        )
+    )
     order = draw(st.permutations(list(range(n)) + extra))
     placement = Placement(torch.tensor([order]), n, num_ranks)
     alive = torch.tensor(draw(st.lists(st.booleans(), min_size=num_ranks, max_size=num_ranks)))

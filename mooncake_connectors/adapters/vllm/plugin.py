@@ -1,0 +1,33 @@
+"""vLLM ``general_plugins`` entry point: makes our connector names known to vLLM.
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers), and
+its registry raises on a duplicate name, so registering is guarded: a second call (the same
+process loading plugins twice) is a no-op, and a different class already holding the name is an
+error rather than a silent overwrite.
+"""
+
+from __future__ import annotations
+
+from ...errors import PluginError
+from .config import CONNECTOR_NAME
+
+CONNECTORS = {
+    CONNECTOR_NAME: ("mooncake_connectors.adapters.vllm.connector", "MooncakeConnectorsPD")
+}
+
+
+def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for name, (module, cls) in CONNECTORS.items():
+        loader = KVConnectorFactory._registry.get(name)
+        if loader is None:
+            KVConnectorFactory.register_connector(name, module, cls)
+            continue
+        held = loader()
+        if (held.__module__, held.__name__) != (module, cls):
+            raise PluginError(
+                f"vLLM connector name {name!r} is already taken by "
+                f"{held.__module__}.{held.__name__}"
+            )
+        # else: registered by an earlier call in this process

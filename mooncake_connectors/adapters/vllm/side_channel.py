@@ -1,0 +1,231 @@
+"""The PD side channel: a worker's KV layout on request, and "done reading" notices.
+
+Each prefill worker (one per TP rank) serves a zmq ROUTER socket, on loopback unless configured
+otherwise. A decode worker asks it once per prefill engine for its :class:`WorkerLayout` (where
+each layer's KV blocks live in the prefill's registered memory) and, after reading a request's
+blocks, sends :class:`Done` so the prefill frees them before its lease runs out. Bytes never go
+through here: the decode side reads them one-sided through the transfer engine.
+
+Messages are msgspec msgpack structs. Clients are DEALER sockets owned by one thread each, with a
+deadline on every exchange; a reply carries the request's nonce so a late answer to an abandoned
+request is never taken for a newer one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from ...errors import ProtocolError, TransferTimeout, TransportBroken
+
+log = logging.getLogger(__name__)
+
+
+class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
+    """Where one layer's KV blocks are: block ``b`` is ``block_bytes`` at ``addr + b*stride``.
+
+    ``head_bytes``: when KV heads are the outermost dimension inside a block (vLLM's CPU layout),
+    the bytes of one head's part of a block, so a range of heads is one contiguous range; 0 when
+    heads are interleaved (then blocks move only whole, between equal TP sizes).
+    """
+
+    name: str
+    addr: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+    head_bytes: int = 0
+
+
+class WorkerLayout(msgspec.Struct, frozen=True):
+    """What a peer needs to read this worker's KV blocks."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    segment: str  # transfer-engine segment name
+    side_channel: str  # tcp://host:port of this worker's ROUTER socket
+    block_size: int  # tokens per (scheduler) block
+    dtype: str
+    layers: list[LayerLayout]
+
+
+class LayoutRequest(msgspec.Struct, tag="layout"):
+    nonce: int
+
+
+class LayoutReply(msgspec.Struct, tag="layout_reply"):
+    nonce: int
+    layout: WorkerLayout
+
+
+class Done(msgspec.Struct, tag="done"):
+    """The sender has finished reading (or gave up on) these requests' blocks.
+
+    ``reader`` is the sender's TP rank, ``readers`` how many decode ranks read this prefill
+    rank's blocks (more than one when decode has the larger TP): the blocks are freed once all
+    of them are done.
+    """
+
+    engine_id: str
+    request_ids: list[str]
+    reader: int = 0
+    readers: int = 1
+
+
+Message = LayoutRequest | LayoutReply | Done
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"bad side-channel message: {exc}") from exc
+
+
+class SideChannelServer:
+    """A ROUTER socket on ``host:port`` (0: any free port) answered by one daemon thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        layout: Callable[[], WorkerLayout],
+        on_done: Callable[[Done], None],
+    ) -> None:
+        self._layout = layout
+        self._on_done = on_done
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        h = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        try:
+            if port:
+                self._sock.bind(f"tcp://{h}:{port}")
+            else:
+                self._sock.bind(f"tcp://{h}:*")
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            raise TransportBroken(f"side channel cannot bind {host}:{port}: {exc}") from exc
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        self.endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="mc-pd-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                identity, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+            except (zmq.Again, ValueError):
+                continue  # a frame count we do not speak: drop it
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            try:
+                msg = decode(payload)
+            except ProtocolError as exc:
+                log.warning("side channel %s: %s", self.endpoint, exc)
+                continue
+            try:
+                if isinstance(msg, LayoutRequest):
+                    reply = LayoutReply(msg.nonce, self._layout())
+                    self._sock.send_multipart([identity, encode(reply)])
+                elif isinstance(msg, Done):
+                    self._on_done(msg)
+            except Exception:  # one bad exchange must not end the side channel
+                log.exception("side channel %s: cannot handle %r", self.endpoint, msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+
+
+class SideChannelClient:
+    """DEALER sockets to peers' side channels; use one instance per thread (zmq rule)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self._nonce = itertools.count(1)
+
+    def _sock(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            if endpoint.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def fetch_layout(self, endpoint: str) -> WorkerLayout:
+        """Ask ``endpoint`` for its layout; TransferTimeout when it does not answer in time."""
+        sock = self._sock(endpoint)
+        nonce = next(self._nonce)
+        deadline = time.monotonic() + self.timeout
+        try:
+            sock.send(encode(LayoutRequest(nonce)), zmq.NOBLOCK)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    break
+                msg = decode(sock.recv(zmq.NOBLOCK))
+                if isinstance(msg, LayoutReply) and msg.nonce == nonce:
+                    return msg.layout
+        except zmq.ZMQError as exc:
+            self._drop(endpoint)
+            raise TransportBroken(f"side channel {endpoint}: {exc}", peer=endpoint) from exc
+        # A dead or stuck peer: forget the socket so queued requests do not pile up on it.
+        self._drop(endpoint)
+        raise TransferTimeout(
+            f"side channel {endpoint} did not answer within {self.timeout}s", peer=endpoint
+        )
+
+    def notify_done(
+        self,
+        endpoint: str,
+        engine_id: str,
+        request_ids: list[str],
+        reader: int = 0,
+        readers: int = 1,
+    ) -> None:
+        """Best effort: the peer also frees the blocks when its lease runs out."""
+        msg = Done(engine_id, request_ids, reader, readers)
+        try:
+            self._sock(endpoint).send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # zmq.Again: the queue to a dead peer is full
+            log.debug("could not notify %s: %s", endpoint, exc)
+            self._drop(endpoint)
+
+    def close(self) -> None:
+        for endpoint in list(self._socks):
+            self._drop(endpoint)
