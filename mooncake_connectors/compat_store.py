@@ -83,12 +83,15 @@ def _code(err: MooncakeConnectorsError | None) -> int:
 
 
 def _metadata(metadata_server: str) -> str | None:
+    """Mooncake's metadata_server forms, as the engine facade reads them (None: the master's)."""
     m = metadata_server.strip()
     if not m:
         return None
-    from .compat import _metadata_url
-
-    return _metadata_url(m)
+    if m.upper() == "P2PHANDSHAKE":
+        return "p2p"
+    if m.startswith(("http://", "etcd://", "memory")):
+        return m
+    return f"etcd://{m}"  # Mooncake treats a bare HOST:PORT as an etcd endpoint
 
 
 class MooncakeDistributedStore:
