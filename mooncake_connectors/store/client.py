@@ -68,6 +68,20 @@ from .reader import Reader
 
 log = logging.getLogger(__name__)
 Result = MooncakeConnectorsError | None
+
+
+class _Raw:
+    """Unregistered memory to copy through staging (touched only once the put is placed)."""
+
+    __slots__ = ("addr", "size")
+
+    def __init__(self, addr: int, size: int) -> None:
+        self.addr = addr
+        self.size = size
+
+
+# (registered address, size, what to stage instead: a view of the bytes or raw memory)
+Source = tuple[int, int, "memoryview | _Raw | None"]
 _BUSY_PAUSE = 0.02
 
 
@@ -252,13 +266,11 @@ class StoreClient:
         """Put several values in one round trip; per key None (stored) or the error."""
         if len(keys) != len(values):
             raise ConfigError("keys and values differ in length")
-        views = [_as_bytes(v) for v in values]
-        sizes = [len(v) for v in views]
-        with self._stage(sizes) as addrs:
-            for addr, mv, n in zip(addrs, views, sizes, strict=True):
-                if n:
-                    view(addr, n)[:] = mv
-            return self._put(list(keys), list(zip(addrs, sizes, strict=True)), **opts)
+        srcs: list[Source] = []
+        for v in values:
+            mv = _as_bytes(v)
+            srcs.append((0, len(mv), mv))  # copied to registered staging once placed
+        return self._put(list(keys), srcs, **opts)
 
     def put_from(self, key: str, addr: int, size: int, **opts: Any) -> None:
         """Zero-copy put from registered memory (other memory is copied through staging)."""
@@ -271,15 +283,11 @@ class StoreClient:
     ) -> list[Result]:
         if not len(keys) == len(addrs) == len(sizes):
             raise ConfigError("keys, addresses and sizes differ in length")
-        srcs = list(zip(addrs, sizes, strict=True))
-        unreg = [i for i, (a, n) in enumerate(srcs) if n and not self._registered(a, n)]
-        if not unreg:
-            return self._put(list(keys), srcs, **opts)
-        with self._stage([srcs[i][1] for i in unreg]) as tmp:
-            for i, addr in zip(unreg, tmp, strict=True):
-                ctypes.memmove(addr, srcs[i][0], srcs[i][1])
-                srcs[i] = (addr, srcs[i][1])
-            return self._put(list(keys), srcs, **opts)
+        srcs: list[Source] = [
+            (a, n, None if not n or self._registered(a, n) else _Raw(a, n))
+            for a, n in zip(addrs, sizes, strict=True)
+        ]
+        return self._put(list(keys), srcs, **opts)
 
     def _registered(self, addr: int, size: int) -> bool:
         assert self.engine is not None
@@ -289,7 +297,7 @@ class StoreClient:
     def _put(
         self,
         keys: list[str],
-        srcs: list[tuple[int, int]],
+        srcs: list[Source],
         *,
         replicas: int = 1,
         ttl: float | None = None,
@@ -335,10 +343,33 @@ class StoreClient:
             todo = busy
             if todo:
                 time.sleep(_BUSY_PAUSE)
+        staged = [i for i in allocs if srcs[i][2] is not None and srcs[i][1]]
+        with self._stage([srcs[i][1] for i in staged]) as tmp:
+            addrs = [a for a, _, _ in srcs]
+            for i, addr in zip(staged, tmp, strict=True):
+                what, n = srcs[i][2], srcs[i][1]
+                if isinstance(what, _Raw):
+                    ctypes.memmove(addr, what.addr, n)
+                else:
+                    view(addr, n)[:] = what  # type: ignore[index,assignment]
+                addrs[i] = addr
+            return self._write_and_commit(keys, srcs, addrs, allocs, put_id, results, deadline)
+
+    def _write_and_commit(
+        self,
+        keys: list[str],
+        srcs: list[Source],
+        addrs: list[int],
+        allocs: dict[int, list[list[tuple[str, int]]]],
+        put_id: int,
+        results: list[Result],
+        deadline: float,
+    ) -> list[Result]:
+        assert self.engine is not None
         reqs: list[TransferRequest] = []
         owner: list[int] = []
         for i, stripes in allocs.items():
-            addr, size = srcs[i]
+            addr, size = addrs[i], srcs[i][1]
             bounds = stripe_bounds(size, len(stripes))
             for (off, n), copies in zip(bounds, stripes, strict=True):
                 if n:

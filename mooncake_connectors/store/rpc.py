@@ -187,7 +187,7 @@ class FrameServer:
         buf += data
         pos = 0
         n = len(buf)
-        while n - pos >= _HDR and not conn.closing:
+        while n - pos >= PREFIX.size and not conn.closing:
             (length,) = PREFIX.unpack_from(buf, pos)
             if length > self.max_frame or length < HEADER.size:
                 self._refuse(conn, f"frame of {length} bytes refused (limit {self.max_frame})")
