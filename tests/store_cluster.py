@@ -35,7 +35,10 @@ class Proc:
     """A CLI process whose output goes to a temp file (shown when a test fails)."""
 
     def __init__(self, args: list[str]) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="mc-store-", suffix=".log", delete=False)
+        # kept open for the process lifetime; closed in close()
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="mc-store-", suffix=".log", delete=False
+        )
         self.args = args
         self.proc = subprocess.Popen(
             [*CLI, *args], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
