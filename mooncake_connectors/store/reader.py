@@ -3,8 +3,9 @@
 For every stripe the copies are ordered by distance — this process's own segment, then a
 segment on this host (the ``shm`` transport maps its memory), then remote — and a segment that
 just failed is tried last for a while. All stripes of all keys go out as one transfer batch; the
-stripes that failed go out again to their next copy. While another copy is left, one attempt
-waits at most ``replica_timeout``, so a dead server costs a read that much, not its full deadline.
+stripes that failed go out again to their next copy. One attempt
+waits ``replica_timeout`` plus time for its bytes at 100 MB/s, so a dead server costs a read
+that much, not its full deadline; when the last copy fails the key reads as a miss.
 Objects the master spilled to a server's SSD are loaded by that server into registered memory
 and read from there like any other copy.
 """
@@ -89,12 +90,13 @@ class Reader:
                 for s in active:
                     errors[s.item] = ReplicaUnavailable("read deadline passed", code=-800)
                 break
-            all_alt = all(s.i + 1 < len(s.cands) for s in active)
             reqs = [
                 TransferRequest(_READ, s.cands[s.i][0], s.dest, s.cands[s.i][1], s.n)
                 for s in active
             ]
-            timeout = min(left, self.replica_timeout) if all_alt else left
+            # One attempt gets replica_timeout plus time for its bytes at a slow 100 MB/s: a
+            # dead server then costs that much, a copy that is merely far still arrives.
+            timeout = min(left, self.replica_timeout + sum(s.n for s in active) / 1e8)
             batch = self.engine.submit(reqs, timeout=timeout)
             batch.wait()
             retry = []

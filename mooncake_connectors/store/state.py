@@ -135,6 +135,7 @@ class MasterState:
         self._deferred: list[tuple[float, int, list[int], int, int]] = []
         self._sweep: Iterator[str] | None = None
         self.recover_until = now + max(config.read_lease_ttl, 3 * config.heartbeat_interval)
+        self.rebuilt = False  # some server re-reported holdings to this master
         self.epoch = random.getrandbits(31)
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -188,6 +189,7 @@ class MasterState:
         self.seg_by_name[name] = seg
         if recover:
             rec.parts = []
+            self.rebuilt = True
         else:
             seg.alloc = RangeAllocator(size)
             self._order.append(seg)
@@ -294,7 +296,7 @@ class MasterState:
         placed = self._place(size, nrep, preferred)
         if placed is not None:
             return placed
-        if not self._fits_anywhere(size) or now < self.recover_until:
+        if not self._fits_anywhere(size) or self.recovering(now):
             return Code.NO_SPACE
         # Evict LRU objects until the placement fits (bounded scan per call). Spilled victims
         # free their memory only once the server wrote them: then the caller should retry.
@@ -351,8 +353,13 @@ class MasterState:
             return
         self.drop(key, obj, now)
 
+    def recovering(self, now: float) -> bool:
+        """Servers are re-reporting to this (new) master: readers may hold leases it never
+        granted, so nothing is evicted yet."""
+        return self.rebuilt and now < self.recover_until
+
     def evict_to_watermark(self, now: float) -> int:
-        if now < self.recover_until:
+        if self.recovering(now):
             return 0
         cap = self.capacity()
         if not cap:
@@ -754,5 +761,6 @@ class MasterState:
             ssd_capacity_bytes=sum(r.ssd_size for r in self.servers.values()),
             ssd_used_bytes=sum(r.ssd_used for r in self.servers.values()),
             spilling=len(self.spilling),
+            holdings_unsent=sum(len(r.ops) for r in self.servers.values()),
         )
         return out
