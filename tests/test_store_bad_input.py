@@ -31,7 +31,8 @@ from mooncake_connectors.store.rpc import Channel
 
 @pytest.fixture(scope="module")
 def master() -> Iterator[Master]:
-    m = Master(MasterConfig(port=0, max_frame=1 << 20)).start()
+    cfg = MasterConfig(port=0, max_frame=1 << 20, read_lease_ttl=0.3, heartbeat_interval=0.1)
+    m = Master(cfg).start()
     yield m
     m.close()
 

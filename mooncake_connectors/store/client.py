@@ -294,7 +294,19 @@ class StoreClient:
         region = self.engine.local.find(addr, size)
         return region is not None and region.writable
 
-    def _put(
+    def _put(self, keys: list[str], srcs: list[Source], **opts: Any) -> list[Result]:
+        results = self._put_once(keys, srcs, **opts)
+        # A leader change between allocation and commit loses the allocation (the new master
+        # never made it): put those keys again, once, from the same source bytes.
+        again = [i for i, r in enumerate(results) if isinstance(r, PutExpired)]
+        if again:
+            log.info("%d put(s) expired before commit (a master fail-over?); retrying", len(again))
+            retried = self._put_once([keys[i] for i in again], [srcs[i] for i in again], **opts)
+            for i, r in zip(again, retried, strict=True):
+                results[i] = r
+        return results
+
+    def _put_once(
         self,
         keys: list[str],
         srcs: list[Source],

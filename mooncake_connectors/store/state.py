@@ -296,7 +296,12 @@ class MasterState:
         placed = self._place(size, nrep, preferred)
         if placed is not None:
             return placed
-        if not self._fits_anywhere(size) or self.recovering(now):
+        if self._order and not self._fits_anywhere(size):
+            return Code.NO_SPACE  # larger than any segment: no eviction can help
+        if now < self.recover_until or any(r.parts is not None for r in self.servers.values()):
+            # A new master: servers are (re)registering and re-reporting; room comes shortly.
+            return Code.BUSY
+        if not self._order:
             return Code.NO_SPACE
         # Evict LRU objects until the placement fits (bounded scan per call). Spilled victims
         # free their memory only once the server wrote them: then the caller should retry.
