@@ -246,6 +246,18 @@ def bench_store(
     typer.echo(text)
 
 
+@bench_app.command("store-memory")
+def bench_store_memory(
+    keys: Annotated[int, typer.Option(min=1, help="Keys to commit.")] = 1_000_000,
+    key_len: Annotated[int, typer.Option(min=1, max=4096, help="Key length (hex chars).")] = 32,
+    batch: Annotated[int, typer.Option(min=1, max=65536, help="Keys per control call.")] = 1000,
+) -> None:
+    """The master's resident memory per key (a real master process, RSS before and after)."""
+    from .store.memory_bench import run_memory_benchmark
+
+    typer.echo(json.dumps(run_memory_benchmark(keys=keys, key_len=key_len, batch=batch), indent=2))
+
+
 def main() -> None:
     try:
         app()

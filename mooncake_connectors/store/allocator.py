@@ -26,8 +26,8 @@ class RangeAllocator:
     __slots__ = ("_by_end", "_by_start", "_sorted", "size", "used")
 
     def __init__(self, size: int) -> None:
-        if not 0 < size <= _MASK:
-            raise ValueError(f"segment size must be in 1..{_MASK}, got {size}")
+        if not 0 < size <= 1 << _SHIFT:
+            raise ValueError(f"segment size must be in 1..{1 << _SHIFT}, got {size}")
         self.size = size - size % ALIGN
         self.used = 0
         self._sorted: list[int] = []

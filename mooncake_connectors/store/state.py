@@ -130,6 +130,7 @@ class MasterState:
         self._seg_ids = itertools.count(1)
         self._file_ids = itertools.count(random.getrandbits(20) << 32)
         self._seq = itertools.count()
+        self._sizes: dict[int, int] = {}
         self._ttl_heap: list[tuple[float, int, str, Obj]] = []
         # (free at, seq, locs, size, stripes): memory a reader's lease still protects
         self._deferred: list[tuple[float, int, list[int], int, int]] = []
@@ -682,7 +683,12 @@ class MasterState:
                 codes.append(Code.UNAVAILABLE)
                 continue
             locs: Any = live[0] if len(live) == 1 else tuple(live)
-            obj = Obj(p.size, locs, p.nrep << 8 | p.flags)
+            size = p.size
+            if size > 256:  # share one int object per distinct size (most values repeat sizes)
+                size = self._sizes.get(size, size)
+                if len(self._sizes) < 65536:
+                    self._sizes.setdefault(size, size)
+            obj = Obj(size, locs, p.nrep << 8 | p.flags)
             if p.ttl_ms or p.flags & SOFT:
                 obj.extra = Extra(
                     ttl=now + p.ttl_ms / 1000 if p.ttl_ms else 0.0,
