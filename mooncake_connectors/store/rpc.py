@@ -41,6 +41,7 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 _HDR = PREFIX.size + HEADER.size
+_RECV = 65536  # below malloc's mmap threshold: a 1 MiB recv buffer costs an mmap per call
 
 
 class Conn:
@@ -175,7 +176,7 @@ class FrameServer:
 
     def _read(self, conn: Conn) -> None:
         try:
-            data = conn.sock.recv(1 << 20)
+            data = conn.sock.recv(_RECV)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -377,7 +378,7 @@ class Channel:
                 return None
             self.sock.settimeout(left)
             try:
-                data = self.sock.recv(1 << 20)
+                data = self.sock.recv(_RECV)
             except TimeoutError:
                 return None
             except OSError as exc:
