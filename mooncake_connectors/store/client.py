@@ -39,7 +39,7 @@ from ..errors import (
 from ..transfer_core.engine import TransferEngine, TransferRequest
 from ..transfer_core.memory import SharedBuffer, view
 from ..types import TransferOp, TransferStatus
-from .allocator import RangeAllocator
+from .allocator import RangeAllocator, aligned
 from .config import ClientConfig, ServerConfig
 from .link import MasterLink
 from .protocol import (
@@ -83,6 +83,8 @@ class _Raw:
 # (registered address, size, what to stage instead: a view of the bytes or raw memory)
 Source = tuple[int, int, "memoryview | _Raw | None"]
 _BUSY_PAUSE = 0.02
+_SLOT = 64 * 1024  # staging slots for single small values (taken without a lock)
+_SLOTS = 16
 
 
 def error_for(code: int, key: str, what: str = "") -> StoreError:
@@ -123,6 +125,8 @@ class StoreClient:
         self._staging: SharedBuffer | None = None
         self._stage_alloc: RangeAllocator | None = None
         self._stage_lock = threading.Lock()
+        self._slots: list[int] = []
+        self._stage_base = 0
         self._reader: Reader | None = None
         self._closed = False
 
@@ -144,8 +148,15 @@ class StoreClient:
         )
         self.engine = TransferEngine(ecfg).start()
         try:
+            n_slots = min(_SLOTS, cfg.local_buffer_size // (2 * _SLOT))
             self._staging = self.engine.allocate_buffer(cfg.local_buffer_size)
-            self._stage_alloc = RangeAllocator(cfg.local_buffer_size)
+            self._slots = [self._staging.addr + i * _SLOT for i in range(n_slots)]
+            self._stage_alloc = (
+                RangeAllocator(cfg.local_buffer_size - n_slots * _SLOT)
+                if n_slots
+                else RangeAllocator(cfg.local_buffer_size)
+            )
+            self._stage_base = self._staging.addr + n_slots * _SLOT
             self._reader = Reader(self.engine, cfg.replica_timeout, self.link, cfg.rpc_timeout)
             if cfg.global_segment_size:
                 from .server import StoreServer
@@ -198,29 +209,37 @@ class StoreClient:
     def _stage(self, sizes: Sequence[int]) -> Iterator[list[int]]:
         """Registered scratch addresses for values of ``sizes`` bytes (staging or temporary)."""
         assert self.engine is not None and self._staging is not None
+        if len(sizes) == 1 and sizes[0] <= _SLOT and self._slots:
+            addr = self._slots.pop()  # the common single small value: no lock, no allocator
+            try:
+                yield [addr]
+            finally:
+                self._slots.append(addr)
+            return
         alloc = self._stage_alloc
         assert alloc is not None
-        taken: list[tuple[int, int]] = []
-        temps: list[SharedBuffer] = []
-        addrs: list[int] = []
+        spans = [aligned(n) for n in sizes]
+        total = sum(spans)
+        with self._stage_lock:
+            off = alloc.alloc(total) if total else None
+        temp = None
+        if off is not None:
+            base = self._stage_base + off
+        else:
+            temp = self.engine.allocate_buffer(max(total, 1))
+            base = temp.addr
+        addrs = []
+        for n in spans:
+            addrs.append(base)
+            base += n
         try:
-            for n in sizes:
-                with self._stage_lock:
-                    off = alloc.alloc(n)
-                if off is not None:
-                    taken.append((off, n))
-                    addrs.append(self._staging.addr + off)
-                else:
-                    buf = self.engine.allocate_buffer(max(n, 1))
-                    temps.append(buf)
-                    addrs.append(buf.addr)
             yield addrs
         finally:
-            with self._stage_lock:
-                for off, n in taken:
-                    alloc.release(off, n)
-            for buf in temps:
-                self.engine.free_buffer(buf.addr)
+            if off is not None:
+                with self._stage_lock:
+                    alloc.release(off, total)
+            if temp is not None:
+                self.engine.free_buffer(temp.addr)
 
     # -- registration -----------------------------------------------------------------------
     def register_buffer(self, buffer: Any, size: int | None = None) -> int:
