@@ -47,6 +47,7 @@ from .protocol import (
     Bools,
     Code,
     Codes,
+    Committed,
     Count,
     Err,
     Exists,
@@ -57,9 +58,11 @@ from .protocol import (
     Locs,
     Msg,
     PutEnd,
+    PutReserved,
     PutStart,
     Remove,
     RemoveAll,
+    Spare,
     Stats,
     StatsOk,
     stripe_bounds,
@@ -84,6 +87,8 @@ class _Raw:
 Source = tuple[int, int, "memoryview | _Raw | None"]
 _BUSY_PAUSE = 0.02
 _SLOT = 64 * 1024  # staging slots for single small values (taken without a lock)
+_SPARE_MAX = 64 << 20  # puts up to this size reserve room for the next one
+_FALLBACK = object()
 _SLOTS = 16
 
 
@@ -126,6 +131,10 @@ class StoreClient:
         self._stage_alloc: RangeAllocator | None = None
         self._stage_lock = threading.Lock()
         self._slots: list[int] = []
+        # (size, replicas) -> [(reservation id, stripes, use before)]
+        self._spares: dict[
+            tuple[int, int], list[tuple[int, list[list[tuple[str, int]]], float]]
+        ] = {}
         self._stage_base = 0
         self._reader: Reader | None = None
         self._closed = False
@@ -314,6 +323,10 @@ class StoreClient:
         return region is not None and region.writable
 
     def _put(self, keys: list[str], srcs: list[Source], **opts: Any) -> list[Result]:
+        if len(keys) == 1 and not opts.get("preferred_segment") and srcs[0][1] <= _SPARE_MAX:
+            r = self._put_reserved(keys[0], srcs[0], **opts)
+            if r is not _FALLBACK:
+                return [r]  # type: ignore[list-item]
         results = self._put_once(keys, srcs, **opts)
         # A leader change between allocation and commit loses the allocation (the new master
         # never made it): put those keys again, once, from the same source bytes.
@@ -355,9 +368,12 @@ class StoreClient:
                     soft_pin,
                     hard_pin,
                     preferred_segment,
+                    reserve=len(keys) == 1 and not preferred_segment and srcs[0][1] <= _SPARE_MAX,
                 ),
                 deadline,
             )
+            if isinstance(reply, Allocs) and reply.spare is not None:
+                self._keep_spare(srcs[0][1], replicas, reply.spare)
             if not isinstance(reply, Allocs):
                 err = self._reply_error(reply, keys[todo[0]])
                 for i in todo:
@@ -385,6 +401,75 @@ class StoreClient:
                     view(addr, n)[:] = what  # type: ignore[index,assignment]
                 addrs[i] = addr
             return self._write_and_commit(keys, srcs, addrs, allocs, put_id, results, deadline)
+
+    # -- one-round-trip puts ------------------------------------------------------------------
+    # A single put also reserves room for this client's next put of the same size and replica
+    # count; that next put writes straight into the reservation and commits it (which reserves
+    # again): one control round trip instead of two. An unused reservation expires on the
+    # master with the put lease, so a client that dies leaks nothing.
+    def _keep_spare(self, size: int, replicas: int, spare: Spare) -> None:
+        pool = self._spares.setdefault((size, replicas), [])
+        if len(pool) < 4:
+            pool.append((spare[0], spare[1], time.monotonic() + self.put_lease * 0.5))
+
+    def _put_reserved(
+        self,
+        key: str,
+        src: Source,
+        *,
+        replicas: int = 1,
+        ttl: float | None = None,
+        soft_pin: bool = False,
+        hard_pin: bool = False,
+        preferred_segment: str = "",
+    ) -> Result | object:
+        assert self.engine is not None
+        size = src[1]
+        pool = self._spares.get((size, replicas))
+        try:
+            rid, stripes, until = pool.pop() if pool else (0, [], 0.0)
+        except IndexError:  # another thread took the last one
+            return _FALLBACK
+        if not rid or until < time.monotonic():
+            return _FALLBACK
+        deadline = self._deadline()
+        with self._stage([size] if src[2] is not None and size else []) as tmp:
+            addr = src[0]
+            if tmp:
+                addr = tmp[0]
+                if isinstance(src[2], _Raw):
+                    ctypes.memmove(addr, src[2].addr, size)
+                else:
+                    view(addr, size)[:] = src[2]  # type: ignore[index,assignment]
+            reqs = [
+                TransferRequest(TransferOp.WRITE, seg, addr + off, remote, n)
+                for (off, n), copies in zip(stripe_bounds(size, len(stripes)), stripes, strict=True)
+                if n
+                for seg, remote in copies
+            ]
+            if reqs:
+                left = min(deadline - time.monotonic(), self.put_lease * 0.4)
+                batch = self.engine.submit(reqs, timeout=max(0.001, left))
+                batch.wait()
+                if any(st is not TransferStatus.COMPLETED for st in batch.statuses):
+                    return _FALLBACK  # the reservation expires on the master
+        reply = self._master(
+            PutReserved(rid, key, size, int(ttl * 1000) if ttl else 0, soft_pin, hard_pin),
+            deadline,
+        )
+        if not isinstance(reply, Committed):
+            return self._reply_error(reply, key)
+        if reply.spare is not None:
+            self._keep_spare(size, replicas, reply.spare)
+        if reply.code == Code.OK:
+            return None
+        if reply.code == Code.EXISTS:
+            self._keep_spare(size, replicas, (rid, stripes))  # still ours
+            return error_for(reply.code, key)
+        if reply.code == Code.PUT_EXPIRED:
+            self._spares.clear()  # a new master, or expired: these are gone
+            return _FALLBACK
+        return error_for(reply.code, key)
 
     def _write_and_commit(
         self,

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from ..errors import MasterUnavailable, ProtocolError
+from ..errors import MasterUnavailable
 from .ha import LeaderResolver
 from .protocol import Code, Err, Msg
 from .rpc import Channel
@@ -76,7 +76,7 @@ class MasterLink:
             try:
                 ch = self._channel(address, min(left, self.rpc_timeout))
                 reply = ch.call(msg, min(left, self.rpc_timeout))
-            except (TimeoutError, ConnectionError, OSError, ProtocolError) as exc:
+            except (TimeoutError, ConnectionError, OSError) as exc:
                 last = f"{address}: {exc}"
                 log.debug("master call failed: %s", last)
                 stale: Channel | None = getattr(self._local, "ch", None)

@@ -29,6 +29,7 @@ from .protocol import (
     Bools,
     Code,
     Codes,
+    Committed,
     Count,
     DropFiles,
     Err,
@@ -44,6 +45,7 @@ from .protocol import (
     Msg,
     Ok,
     PutEnd,
+    PutReserved,
     PutStart,
     Remove,
     RemoveAll,
@@ -85,6 +87,7 @@ class Master:
             Heartbeat: self._heartbeat,
             PutStart: self._put_start,
             PutEnd: self._put_end,
+            PutReserved: self._put_reserved,
             Get: self._get,
             Exists: self._exists,
             Remove: self._remove,
@@ -263,7 +266,18 @@ class Master:
             msg.preferred,
             now,
         )
-        return Allocs(codes, stripes)
+        spare = None
+        if msg.reserve and len(msg.keys) == 1 and codes[0] == Code.OK:
+            spare = self.state.reserve(msg.sizes[0], len(stripes[0][0]) if stripes[0] else 1, now)
+        return Allocs(codes, stripes, spare)
+
+    def _put_reserved(self, conn: Conn, msg: PutReserved, now: float) -> Msg:
+        flags = (HARD if msg.hard_pin else 0) | (SOFT if msg.soft_pin else 0)
+        code, nrep = self.state.commit_reserved(msg.rid, msg.key, msg.size, flags, msg.ttl_ms, now)
+        spare = None
+        if code == Code.OK and msg.refill:
+            spare = self.state.reserve(msg.size, nrep, now)
+        return Committed(code, spare)
 
     def _put_end(self, conn: Conn, msg: PutEnd, now: float) -> Msg:
         codes = self.state.put_end(msg.put_id, msg.commit, msg.revoke, now)

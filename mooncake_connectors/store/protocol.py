@@ -101,12 +101,25 @@ class PutStart(Msg, tag="put"):
     soft_pin: bool = False
     hard_pin: bool = False
     preferred: str = ""
+    reserve: bool = False  # single key: also reserve room for the client's next put of this size
 
 
 class PutEnd(Msg, tag="end"):
     put_id: int
     commit: Keys
     revoke: Keys
+
+
+class PutReserved(Msg, tag="putr"):
+    """Commit a put written into an earlier reservation: one round trip per put."""
+
+    rid: int
+    key: Key
+    size: Size
+    ttl_ms: Annotated[int, Meta(ge=0)] = 0
+    soft_pin: bool = False
+    hard_pin: bool = False
+    refill: bool = True  # reserve the same again for the next put
 
 
 class Get(Msg, tag="get"):
@@ -173,6 +186,7 @@ Request = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     Heartbeat,
     PutStart,
     PutEnd,
+    PutReserved,
     Get,
     Exists,
     Remove,
@@ -209,10 +223,19 @@ class MountOk(Msg, tag="mount_ok"):
     seg_id: int
 
 
+Spare = tuple[int, list[list[Copy]]]  # (reservation id, per stripe the copies to write)
+
+
 class Allocs(Msg, tag="allocs"):
     codes: list[int]
     # per key, per stripe: the copies to write (one per replica)
     stripes: list[list[list[Copy]]]
+    spare: Spare | None = None
+
+
+class Committed(Msg, tag="committed"):
+    code: int
+    spare: Spare | None = None
 
 
 class Loc(Struct, array_like=True):
@@ -265,6 +288,7 @@ Reply = Union[  # noqa: UP007
     HelloOk,
     MountOk,
     Allocs,
+    Committed,
     Locs,
     Codes,
     Bools,

@@ -120,6 +120,7 @@ class MasterState:
         now = time.monotonic() if now is None else now
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Pending] = {}
+        self.reserved: dict[int, Pending] = {}  # reservation id -> allocation
         self.segments: dict[int, Segment] = {}
         self.seg_by_name: dict[str, Segment] = {}
         self.servers: dict[str, Server] = {}
@@ -672,35 +673,67 @@ class MasterState:
                 codes.append(Code.PUT_EXPIRED)
                 continue
             del self.pending[key]
-            nst = len(p.locs) // p.nrep
-            live = [x if (x >> SHIFT) in self.segments else -1 for x in p.locs]
-            if key in self.objects:  # re-reported to a new leader meanwhile
-                self._release_locs(live, p.size, nst)
-                codes.append(Code.EXISTS)
-                continue
-            if any(all(live[r * nst + s] < 0 for r in range(p.nrep)) for s in range(nst)):
-                self._release_locs(live, p.size, nst)
-                codes.append(Code.UNAVAILABLE)
-                continue
-            locs: Any = live[0] if len(live) == 1 else tuple(live)
-            size = p.size
-            if size > 256:  # share one int object per distinct size (most values repeat sizes)
-                size = self._sizes.get(size, size)
-                if len(self._sizes) < 65536:
-                    self._sizes.setdefault(size, size)
-            obj = Obj(size, locs, p.nrep << 8 | p.flags)
-            if p.ttl_ms or p.flags & SOFT:
-                obj.extra = Extra(
-                    ttl=now + p.ttl_ms / 1000 if p.ttl_ms else 0.0,
-                    soft_until=now + self.cfg.soft_pin_ttl if p.flags & SOFT else 0.0,
-                )
-                if p.ttl_ms:
-                    heapq.heappush(self._ttl_heap, (obj.extra.ttl, next(self._seq), key, obj))
-            self.objects[key] = obj
-            self.note_holdings(key, obj)
-            self.counters["puts"] += 1
-            codes.append(Code.OK)
+            codes.append(self._commit(key, p, now))
         return codes
+
+    def _commit(self, key: str, p: Pending, now: float) -> int:
+        """Make an allocation whose bytes were written visible as ``key``."""
+        nst = len(p.locs) // p.nrep
+        live = [x if (x >> SHIFT) in self.segments else -1 for x in p.locs]
+        if key in self.objects:  # re-reported to a new leader meanwhile
+            self._release_locs(live, p.size, nst)
+            return Code.EXISTS
+        if any(all(live[r * nst + s] < 0 for r in range(p.nrep)) for s in range(nst)):
+            self._release_locs(live, p.size, nst)
+            return Code.UNAVAILABLE
+        locs: Any = live[0] if len(live) == 1 else tuple(live)
+        size = p.size
+        if size > 256:  # share one int object per distinct size (most values repeat sizes)
+            size = self._sizes.get(size, size)
+            if len(self._sizes) < 65536:
+                self._sizes.setdefault(size, size)
+        obj = Obj(size, locs, p.nrep << 8 | p.flags)
+        if p.ttl_ms or p.flags & SOFT:
+            obj.extra = Extra(
+                ttl=now + p.ttl_ms / 1000 if p.ttl_ms else 0.0,
+                soft_until=now + self.cfg.soft_pin_ttl if p.flags & SOFT else 0.0,
+            )
+            if p.ttl_ms:
+                heapq.heappush(self._ttl_heap, (obj.extra.ttl, next(self._seq), key, obj))
+        self.objects[key] = obj
+        self.note_holdings(key, obj)
+        self.counters["puts"] += 1
+        return Code.OK
+
+    # -- reservations: a client's next put of the same size, allocated one round trip early --
+    def reserve(
+        self, size: int, nrep: int, now: float
+    ) -> tuple[int, list[list[tuple[str, int]]]] | None:
+        """Allocate room for a future put (no eviction for it); None when there is none."""
+        placed = self._place(size, nrep, "")
+        if placed is None:
+            return None
+        locs, got = placed
+        rid = random.getrandbits(62) + 1
+        self.reserved[rid] = Pending(rid, size, locs, got, 0, 0, now + self.cfg.put_lease_ttl)
+        return rid, self._copies(locs, got)
+
+    def commit_reserved(
+        self, rid: int, key: str, size: int, flags: int, ttl_ms: int, now: float
+    ) -> tuple[int, int]:
+        """Commit reservation ``rid`` (whose bytes the client wrote) as ``key``: (code, nrep).
+        A key that exists leaves the reservation in place for the client's next put."""
+        p = self.reserved.get(rid)
+        if p is None or p.size != size:
+            return Code.PUT_EXPIRED, 0
+        obj = self.objects.get(key)
+        if key in self.pending or (
+            obj is not None and (self.loc(key, obj, now) is not None or key in self.objects)
+        ):
+            return Code.EXISTS, p.nrep
+        del self.reserved[rid]
+        p.flags, p.ttl_ms = flags, ttl_ms
+        return self._commit(key, p, now), p.nrep
 
     # -- removal ----------------------------------------------------------------------------
     def remove(self, keys: list[str], force: bool, now: float) -> list[int]:
@@ -738,6 +771,14 @@ class MasterState:
             expired.append((key, p))
         for key, p in expired:
             self._expire(key, p)
+        gone = []
+        for rid, p in self.reserved.items():
+            if p.deadline > now:
+                break
+            gone.append((rid, p))
+        for rid, p in gone:
+            del self.reserved[rid]
+            self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, locs, size, nst = heapq.heappop(self._deferred)
             self._release_locs(locs, size, nst)
@@ -765,6 +806,7 @@ class MasterState:
         out.update(
             keys=len(self.objects),
             pending_puts=len(self.pending),
+            reserved=len(self.reserved),
             capacity_bytes=self.capacity(),
             used_bytes=self.used(),
             segments=len(self.segments),
