@@ -40,7 +40,7 @@ class Workload:
         i = 0
         while not self.stop.is_set():
             key = f"w{i}"
-            v = pattern(i, rng.choice([100, 4096, 50_000]))
+            v = pattern(i, rng.choice([100, 4096, 16_000]))
             try:
                 self.c.put(key, v, replicas=2)
                 self.acked[key] = v.tobytes()
@@ -66,7 +66,7 @@ def ha(etcd: EtcdServer) -> Iterator[tuple[str, list[Proc], list[Proc]]]:
     try:
         masters.append(start_master(*args)[0])
         masters.append(start_master(*args)[0])
-        servers.extend(start_server(url, "32M") for _ in range(2))
+        servers.extend(start_server(url, "96M") for _ in range(2))
         yield url, masters, servers
     finally:
         for p in servers + masters:

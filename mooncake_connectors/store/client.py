@@ -453,10 +453,13 @@ class StoreClient:
                 batch.wait()
                 if any(st is not TransferStatus.COMPLETED for st in batch.statuses):
                     return _FALLBACK  # the reservation expires on the master
-        reply = self._master(
-            PutReserved(rid, key, size, int(ttl * 1000) if ttl else 0, soft_pin, hard_pin),
-            deadline,
-        )
+        msg = PutReserved(rid, key, size, int(ttl * 1000) if ttl else 0, soft_pin, hard_pin)
+        reply = self._master(msg, deadline)
+        while (
+            isinstance(reply, Committed) and reply.code == Code.BUSY and time.monotonic() < deadline
+        ):
+            time.sleep(_BUSY_PAUSE)  # a new master still hearing from its servers
+            reply = self._master(msg, deadline)
         if not isinstance(reply, Committed):
             return self._reply_error(reply, key)
         if reply.spare is not None:
@@ -506,16 +509,23 @@ class StoreClient:
                         code=int(Code.TRANSFER_FAIL),
                     )
         commit = [i for i in allocs if i not in failed]
-        if commit or failed:
-            reply = self._master(
-                PutEnd(put_id, [keys[i] for i in commit], [keys[i] for i in failed]), deadline
-            )
-            if isinstance(reply, Codes):
-                for i, code in zip(commit, reply.codes, strict=True):
-                    results[i] = None if code == Code.OK else error_for(code, keys[i])
-            else:
+        revoke = [keys[i] for i in failed]
+        while commit or revoke:
+            reply = self._master(PutEnd(put_id, [keys[i] for i in commit], revoke), deadline)
+            revoke = []
+            if not isinstance(reply, Codes):
                 for i in commit:
                     results[i] = self._reply_error(reply, keys[i])
+                break
+            busy = []
+            for i, code in zip(commit, reply.codes, strict=True):
+                if code == Code.BUSY and time.monotonic() < deadline:
+                    busy.append(i)  # a new master still hearing from its servers
+                else:
+                    results[i] = None if code == Code.OK else error_for(code, keys[i])
+            commit = busy
+            if commit:
+                time.sleep(_BUSY_PAUSE)
         for i, e in failed.items():
             results[i] = e
         return results

@@ -13,7 +13,6 @@ leader starts empty and servers re-report what they hold (:mod:`.recovery`).
 
 from __future__ import annotations
 
-import collections
 import http.server
 import json
 import logging
@@ -62,7 +61,6 @@ from .state import HARD, SOFT, MasterState
 
 log = logging.getLogger(__name__)
 _TICK = 0.05
-_RECENT_COMMITS = 4096
 
 
 class Master:
@@ -79,7 +77,6 @@ class Master:
         # server is not woken per put, and only a master restart could miss the last tick.
         self._sync_holdings = self.cfg.ha is not None
         self._snapshot: dict[str, float] = {}
-        self._recent: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
         self._handlers: dict[type, Callable[[Conn, Any, float], Msg | None]] = {
             Hello: self._hello,
             Mount: self._mount,
@@ -155,7 +152,6 @@ class Master:
         def switch() -> None:
             # A new leader starts from nothing: servers re-report what they hold.
             self.state = MasterState(self.cfg)
-            self._recent.clear()
             self.leader = leading
 
         if self.rpc is not None:
@@ -274,6 +270,8 @@ class Master:
     def _put_reserved(self, conn: Conn, msg: PutReserved, now: float) -> Msg:
         flags = (HARD if msg.hard_pin else 0) | (SOFT if msg.soft_pin else 0)
         code, nrep = self.state.commit_reserved(msg.rid, msg.key, msg.size, flags, msg.ttl_ms, now)
+        if code == Code.PUT_EXPIRED:
+            code = self._expired(msg.rid, msg.key, now)
         spare = None
         if code == Code.OK and msg.refill:
             spare = self.state.reserve(msg.size, nrep, now)
@@ -281,16 +279,18 @@ class Master:
 
     def _put_end(self, conn: Conn, msg: PutEnd, now: float) -> Msg:
         codes = self.state.put_end(msg.put_id, msg.commit, msg.revoke, now)
-        recent = self._recent
         for i, key in enumerate(msg.commit):
-            rk = (msg.put_id, key)
-            if codes[i] == Code.OK:
-                recent[rk] = None
-                if len(recent) > _RECENT_COMMITS:
-                    recent.popitem(last=False)
-            elif codes[i] == Code.PUT_EXPIRED and rk in recent:
-                codes[i] = Code.OK  # a repeated commit whose first reply was lost
+            if codes[i] == Code.PUT_EXPIRED:
+                codes[i] = self._expired(msg.put_id, key, now)
         return Codes(codes)
+
+    def _expired(self, put_id: int, key: str, now: float) -> int:
+        """The answer to a commit of an allocation this master does not know."""
+        if (put_id, key) in self.state.recent:
+            return Code.OK  # a repeated commit whose first reply was lost
+        if self.state.settling(now):
+            return Code.BUSY  # a new master: its servers may still re-report this commit
+        return Code.PUT_EXPIRED
 
     def _get(self, conn: Conn, msg: Get, now: float) -> Msg:
         return Locs(self.state.get(msg.keys, now))

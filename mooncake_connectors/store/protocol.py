@@ -152,6 +152,8 @@ class Part(Struct, array_like=True):
     ttl_wall_ms: int  # absolute expiry (unix ms), 0 = none
     segment: str  # "" for a copy on the server's SSD
     offset: int  # inside the segment; the SSD file id for a disk copy
+    put_id: int = 0  # the put (or reservation) that committed it, and when (unix ms):
+    at_ms: int = 0  # a new leader then recognises a commit retried across the fail-over
 
 
 class Report(Msg, tag="report"):

@@ -68,6 +68,12 @@ def rebuild(state: MasterState, rec: Server, now: float) -> int:
             rec.disk[fid] = (p.key, need)
             rec.ssd_used += need
         accepted += 1
+    # Commits of the last put lease, newest last: their puts may be retried across the fail-over.
+    since = wall_ms - state.cfg.put_lease_ttl * 1000
+    for _, put_id, key in sorted(
+        {(p.at_ms, p.put_id, p.key) for p in parts if p.put_id and p.at_ms >= since}
+    ):
+        state.committed(put_id, key)
     for seg in rec.segments:
         if seg.alloc is None:
             seg.alloc = RangeAllocator.with_used(seg.size, used[seg])

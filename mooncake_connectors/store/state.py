@@ -12,6 +12,7 @@ server's record; the master flushes them before it answers the request that caus
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -35,6 +36,7 @@ HARD = 1
 SOFT = 2
 SPILLING = 4
 _PIN = HARD | SOFT
+RECENT_COMMITS = 4096
 EVICT_SCAN = 4096  # objects examined per eviction attempt (bounds one loop iteration)
 
 
@@ -120,6 +122,9 @@ class MasterState:
         now = time.monotonic() if now is None else now
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Pending] = {}
+        # (put id, key) of the latest commits: a commit repeated because its reply was lost (or
+        # its master failed over) is recognised and answered OK again
+        self.recent: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
         self.reserved: dict[int, Pending] = {}  # reservation id -> allocation
         self.segments: dict[int, Segment] = {}
         self.seg_by_name: dict[str, Segment] = {}
@@ -300,8 +305,7 @@ class MasterState:
             return placed
         if self._order and not self._fits_anywhere(size):
             return Code.NO_SPACE  # larger than any segment: no eviction can help
-        if now < self.recover_until or any(r.parts is not None for r in self.servers.values()):
-            # A new master: servers are (re)registering and re-reporting; room comes shortly.
+        if self.settling(now):  # servers are (re)registering and re-reporting: room comes soon
             return Code.BUSY
         if not self._order:
             return Code.NO_SPACE
@@ -359,6 +363,11 @@ class MasterState:
         if self._start_spill(key, obj):
             return
         self.drop(key, obj, now)
+
+    def settling(self, now: float) -> bool:
+        """Servers may still be (re)registering with this new master: an allocation it does not
+        know may yet be re-reported, so a commit of one is 'retry', not 'expired'."""
+        return now < self.recover_until or any(r.parts is not None for r in self.servers.values())
 
     def recovering(self, now: float) -> bool:
         """Servers are re-reporting to this (new) master: readers may hold leases it never
@@ -508,7 +517,16 @@ class MasterState:
                     rec.ops.append(key)
                 self.dirty.add(rec)
 
-    def _part(self, key: str, obj: Obj, ridx: int, sidx: int, segment: str, offset: int) -> Part:
+    def _part(
+        self,
+        key: str,
+        obj: Obj,
+        ridx: int,
+        sidx: int,
+        segment: str,
+        offset: int,
+        put_id: int = 0,
+    ) -> Part:
         ex = obj.extra
         ttl_wall = 0
         if ex is not None and ex.ttl:
@@ -517,9 +535,12 @@ class MasterState:
         locs = obj.locs
         nst = 1 if type(locs) is int or not locs else len(locs) // max(1, nrep)
         flags = obj.meta & _PIN
-        return Part(key, obj.size, nrep, nst, ridx, sidx, flags, ttl_wall, segment, offset)
+        at_ms = int(time.time() * 1000) if put_id else 0
+        return Part(
+            key, obj.size, nrep, nst, ridx, sidx, flags, ttl_wall, segment, offset, put_id, at_ms
+        )
 
-    def note_holdings(self, key: str, obj: Obj) -> None:
+    def note_holdings(self, key: str, obj: Obj, put_id: int = 0) -> None:
         locs = obj.locs
         if type(locs) is int:
             locs = (locs,)
@@ -529,7 +550,8 @@ class MasterState:
             seg = self.segments.get(loc >> SHIFT) if loc >= 0 else None
             if seg is not None:
                 rec = seg.server
-                rec.ops.append(self._part(key, obj, i // nst, i % nst, seg.name, loc & MASK))
+                part = self._part(key, obj, i // nst, i % nst, seg.name, loc & MASK, put_id)
+                rec.ops.append(part)
                 self.dirty.add(rec)
 
     # -- lookups ----------------------------------------------------------------------------
@@ -701,9 +723,16 @@ class MasterState:
             if p.ttl_ms:
                 heapq.heappush(self._ttl_heap, (obj.extra.ttl, next(self._seq), key, obj))
         self.objects[key] = obj
-        self.note_holdings(key, obj)
+        self.note_holdings(key, obj, p.put_id)
         self.counters["puts"] += 1
+        self.committed(p.put_id, key)
         return Code.OK
+
+    def committed(self, put_id: int, key: str) -> None:
+        recent = self.recent
+        recent[(put_id, key)] = None
+        if len(recent) > RECENT_COMMITS:
+            recent.popitem(last=False)
 
     # -- reservations: a client's next put of the same size, allocated one round trip early --
     def reserve(
