@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from mooncake_connectors.store.allocator import ALIGN, RangeAllocator, aligned
 from mooncake_connectors.store.config import MasterConfig
 from mooncake_connectors.store.protocol import Code, Part, stripe_bounds
+from mooncake_connectors.store.records import HARD, SOFT
 from mooncake_connectors.store.recovery import collect
-from mooncake_connectors.store.state import HARD, SOFT, MasterState
+from mooncake_connectors.store.state import MasterState
 
 MiB = 1 << 20
 

@@ -55,9 +55,10 @@ from .protocol import (
     StatsOk,
     Unmount,
 )
+from .records import HARD, SOFT
 from .recovery import collect
 from .rpc import Conn, FrameServer
-from .state import HARD, SOFT, MasterState
+from .state import MasterState
 
 log = logging.getLogger(__name__)
 _TICK = 0.05

@@ -16,7 +16,8 @@ import time
 
 from .allocator import RangeAllocator, aligned
 from .protocol import Part, stripe_bounds
-from .state import _PIN, SHIFT, SOFT, Extra, MasterState, Obj, Segment, Server, pack
+from .records import PIN, SHIFT, SOFT, Extra, Obj, Segment, Server, pack
+from .state import MasterState
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def rebuild(state: MasterState, rec: Server, now: float) -> int:
 def _new_obj(state: MasterState, p: Part, now: float, wall_ms: float, disk_only: bool) -> Obj:
     n = p.nrep * p.nst
     locs: object = () if disk_only else (-1 if n == 1 else tuple([-1] * n))
-    obj = Obj(p.size, locs, p.nrep << 8 | (p.flags & _PIN))
+    obj = Obj(p.size, locs, p.nrep << 8 | (p.flags & PIN))
     if p.ttl_wall_ms or p.flags & SOFT:
         obj.extra = Extra(
             ttl=now + (p.ttl_wall_ms - wall_ms) / 1000 if p.ttl_wall_ms else 0.0,

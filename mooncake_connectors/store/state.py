@@ -21,99 +21,27 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
-
 from ..errors import ConfigError
+from . import eviction
 from .allocator import RangeAllocator, aligned
 from .config import MasterConfig
 from .protocol import Code, Loc, Part, stripe_bounds, stripe_count
+from .records import (
+    MASK,
+    PIN,
+    SHIFT,
+    SOFT,
+    SPILLING,
+    Extra,
+    Obj,
+    Pending,
+    Segment,
+    Server,
+    pack,
+)
 
 log = logging.getLogger(__name__)
-
-SHIFT = 40
-MASK = (1 << SHIFT) - 1
-HARD = 1
-SOFT = 2
-SPILLING = 4
-_PIN = HARD | SOFT
 RECENT_COMMITS = 4096
-EVICT_SCAN = 4096  # objects examined per eviction attempt (bounds one loop iteration)
-
-
-class Obj(msgspec.Struct, gc=False):
-    size: int
-    locs: Any  # int | tuple[int, ...]; -1 = no copy
-    meta: int  # nrep << 8 | flags
-    lease: float = 0.0
-    extra: Extra | None = None
-
-
-class Extra(msgspec.Struct, gc=False):
-    ttl: float = 0.0  # monotonic expiry, 0 = none
-    soft_until: float = 0.0
-    disk: tuple[str, int] | None = None  # (server client id, file id)
-
-
-class Pending(msgspec.Struct, gc=False):
-    put_id: int
-    size: int
-    locs: list[int]
-    nrep: int
-    flags: int
-    ttl_ms: int
-    deadline: float
-
-
-class Segment:
-    __slots__ = ("alloc", "base", "host_id", "id", "name", "server", "size")
-
-    def __init__(self, sid: int, name: str, base: int, size: int, server: Server) -> None:
-        self.id = sid
-        self.name = name
-        self.base = base
-        self.size = size
-        self.server = server
-        self.host_id = ""
-        self.alloc: RangeAllocator | None = None  # None while its holdings are re-reported
-
-
-class Server:
-    """Whoever mounted memory: a store server or an embedded client."""
-
-    __slots__ = (
-        "alive",
-        "client_id",
-        "conn",
-        "disk",
-        "dropfiles",
-        "endpoint",
-        "last_seen",
-        "ops",
-        "parts",
-        "segments",
-        "spills",
-        "ssd_size",
-        "ssd_used",
-    )
-
-    def __init__(self, client_id: str, conn: Any, now: float) -> None:
-        self.client_id = client_id
-        self.conn = conn
-        self.last_seen = now
-        self.alive = True
-        self.segments: list[Segment] = []
-        self.endpoint = ""
-        self.ssd_size = 0
-        self.ssd_used = 0
-        self.disk: dict[int, tuple[str, int]] = {}  # file id -> (key, bytes), oldest first
-        self.ops: list[Part | str] = []  # holdings delta to push
-        self.spills: list[tuple[int, int, int]] = []
-        self.dropfiles: list[int] = []
-        self.parts: list[Part] | None = None  # re-reported holdings being collected
-
-
-def pack(seg: int, off: int) -> int:
-    return seg << SHIFT | off
 
 
 class MasterState:
@@ -314,13 +242,13 @@ class MasterState:
         need = aligned(size) * max(1, nrep)
         spilling = 0
         for soft in (False, True):
-            for key in self._victims(now, soft, EVICT_SCAN):
+            for key in eviction.victims(self, now, soft, eviction.EVICT_SCAN):
                 n_spill = len(self.spilling)
                 obj = self.objects.get(key)
                 if obj is None:
                     continue
-                nbytes = self._mem_bytes(obj)
-                self.evict(key, now)
+                nbytes = eviction.mem_bytes(self, obj)
+                eviction.evict(self, key, now)
                 if len(self.spilling) > n_spill:
                     spilling += nbytes
                     if spilling >= need:
@@ -331,38 +259,11 @@ class MasterState:
                     return placed
         return Code.BUSY if spilling else Code.NO_SPACE
 
-    # -- eviction ---------------------------------------------------------------------------
-    def _victims(self, now: float, soft: bool, limit: int) -> list[str]:
-        """LRU-first keys that may be evicted now (not leased, pinned, spilling, disk-only)."""
-        out: list[str] = []
-        touched: list[str] = []
-        objs = self.objects
-        for key, obj in itertools.islice(objs.items(), limit):
-            meta = obj.meta
-            ex = obj.extra
-            if (
-                obj.lease > now
-                or meta & (HARD | SPILLING)
-                or obj.locs == ()
-                or (meta & SOFT and not soft and ex is not None and ex.soft_until > now)
-            ):
-                touched.append(key)
-                continue
-            out.append(key)
-        if not soft:
-            for key in touched:  # do not rescan them at the front next time
-                obj = objs.pop(key)
-                objs[key] = obj
-        return out
+    def evict_to_watermark(self, now: float) -> int:
+        return eviction.evict_to_watermark(self, now)
 
-    def evict(self, key: str, now: float) -> None:
-        obj = self.objects.get(key)
-        if obj is None:
-            return
-        self.counters["evictions"] += 1
-        if self._start_spill(key, obj):
-            return
-        self.drop(key, obj, now)
+    def spill_done(self, rec: Server, fid: int, ok: bool, now: float) -> None:
+        eviction.spill_done(self, rec, fid, ok, now)
 
     def settling(self, now: float) -> bool:
         """Servers may still be (re)registering with this new master: an allocation it does not
@@ -373,106 +274,6 @@ class MasterState:
         """Servers are re-reporting to this (new) master: readers may hold leases it never
         granted, so nothing is evicted yet."""
         return self.rebuilt and now < self.recover_until
-
-    def evict_to_watermark(self, now: float) -> int:
-        if self.recovering(now):
-            return 0
-        cap = self.capacity()
-        if not cap:
-            return 0
-        used = self.used() - sum(e[3] for e in self.spilling.values())
-        if used <= self.cfg.high_watermark * cap:
-            return 0
-        target = self.cfg.low_watermark * cap
-        n = 0
-        for soft in (False, True):
-            for key in self._victims(now, soft, EVICT_SCAN):
-                if used <= target:
-                    return n
-                obj = self.objects.get(key)
-                if obj is None:
-                    continue
-                used -= self._mem_bytes(obj)
-                self.evict(key, now)
-                n += 1
-        return n
-
-    def _mem_bytes(self, obj: Obj) -> int:
-        locs = obj.locs
-        if type(locs) is int:
-            return aligned(obj.size)
-        nrep = obj.meta >> 8
-        if not locs or not nrep:
-            return 0
-        nst = len(locs) // nrep
-        per = aligned(stripe_bounds(obj.size, nst)[0][1])
-        return per * sum(1 for x in locs if x >= 0 and (x >> SHIFT) in self.segments)
-
-    # -- SSD tier ---------------------------------------------------------------------------
-    def _start_spill(self, key: str, obj: Obj) -> bool:
-        """Spill a single-stripe object to the SSD of a server holding a copy, if one has room."""
-        locs = obj.locs
-        copies = (locs,) if type(locs) is int else locs
-        nrep = obj.meta >> 8
-        if not copies or len(copies) != nrep:  # striped objects are dropped, not spilled
-            return False
-        need = aligned(obj.size)
-        for loc in copies:
-            seg = self.segments.get(loc >> SHIFT) if loc >= 0 else None
-            if seg is None or not seg.server.ssd_size or need > seg.server.ssd_size:
-                continue
-            rec = seg.server
-            while rec.ssd_used + need > rec.ssd_size and rec.disk:
-                fid, (victim, _) = next(iter(rec.disk.items()))
-                self._drop_disk_copy(rec, fid, victim)
-            if rec.ssd_used + need > rec.ssd_size:
-                continue
-            fid = next(self._file_ids)
-            rec.ssd_used += need
-            rec.spills.append((fid, seg.base + (loc & MASK), obj.size))
-            self.dirty.add(rec)
-            obj.meta |= SPILLING
-            self.spilling[fid] = (key, obj, rec, self._mem_bytes(obj))
-            self.counters["spills"] += 1
-            return True
-        return False
-
-    def _drop_disk_copy(self, rec: Server, fid: int, key: str) -> None:
-        entry = rec.disk.pop(fid, None)
-        if entry is not None:
-            rec.ssd_used -= entry[1]
-        rec.dropfiles.append(fid)
-        self.dirty.add(rec)
-        self.counters["ssd_drops"] += 1
-        obj = self.objects.get(key)
-        if obj is not None and obj.extra is not None and obj.extra.disk == (rec.client_id, fid):
-            obj.extra.disk = None
-            rec.ops.append(key)
-            if not obj.locs:
-                del self.objects[key]
-
-    def spill_done(self, rec: Server, fid: int, ok: bool, now: float) -> None:
-        entry = self.spilling.pop(fid, None)
-        if entry is None:
-            return
-        key, obj, srv, _ = entry
-        obj.meta &= ~SPILLING
-        need = aligned(obj.size)
-        if self.objects.get(key) is not obj or not ok:
-            srv.ssd_used -= need
-            srv.dropfiles.append(fid)
-            self.dirty.add(srv)
-            if ok is False and self.objects.get(key) is obj:
-                self.drop(key, obj, now)
-            return
-        self._free_memory(key, obj, now)
-        ex = obj.extra or Extra()
-        ex.disk = (srv.client_id, fid)
-        obj.extra = ex
-        obj.locs = ()
-        srv.disk[fid] = (key, need)
-        srv.ops.append(self._part(key, obj, 0, 0, "", fid))
-        self.dirty.add(srv)
 
     # -- dropping and freeing ---------------------------------------------------------------
     def _free_memory(
@@ -534,7 +335,7 @@ class MasterState:
         nrep = obj.meta >> 8
         locs = obj.locs
         nst = 1 if type(locs) is int or not locs else len(locs) // max(1, nrep)
-        flags = obj.meta & _PIN
+        flags = obj.meta & PIN
         at_ms = int(time.time() * 1000) if put_id else 0
         return Part(
             key, obj.size, nrep, nst, ridx, sidx, flags, ttl_wall, segment, offset, put_id, at_ms
@@ -828,7 +629,7 @@ class MasterState:
                     self.loc(key, found, now)
             if n < 20000:
                 self._sweep = None
-        self.evict_to_watermark(now)
+        eviction.evict_to_watermark(self, now)
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}

@@ -1,0 +1,317 @@
+"""The client's write path: two-phase puts, and one-round-trip puts into reservations.
+
+A put asks the master to place every key (``PutStart``), writes every stripe of every replica of
+every key in one transfer batch, then commits (``PutEnd``); a key becomes visible only at commit.
+A single put also reserves room for the client's next put of the same size and replica count;
+that next put writes straight into the reservation and commits it, which reserves again
+(``PutReserved``): one control round trip instead of two. An unused reservation expires on the
+master with the put lease, so a client that dies leaks nothing. ``BUSY`` answers (an eviction
+spilling to SSD, a new master still hearing from its servers) are retried until the deadline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import random
+import time
+from typing import Any
+
+from ..errors import (
+    CapacityExceeded,
+    MooncakeConnectorsError,
+    ObjectExists,
+    PutExpired,
+    ReplicaUnavailable,
+    StoreError,
+)
+from ..transfer_core.engine import TransferEngine, TransferRequest
+from ..transfer_core.memory import view
+from ..types import TransferOp, TransferStatus
+from .link import MasterLink
+from .protocol import (
+    Allocs,
+    Code,
+    Codes,
+    Committed,
+    Err,
+    Msg,
+    PutEnd,
+    PutReserved,
+    PutStart,
+    Spare,
+    stripe_bounds,
+)
+from .staging import Staging
+
+log = logging.getLogger(__name__)
+Result = MooncakeConnectorsError | None
+
+
+class Raw:
+    """Unregistered memory to copy through staging (touched only once the put is placed)."""
+
+    __slots__ = ("addr", "size")
+
+    def __init__(self, addr: int, size: int) -> None:
+        self.addr = addr
+        self.size = size
+
+
+# (registered address, size, what to stage instead: a view of the bytes or raw memory)
+Source = tuple[int, int, "memoryview | Raw | None"]
+_BUSY_PAUSE = 0.02
+_SPARE_MAX = 64 << 20  # puts up to this size reserve room for the next one
+_FALLBACK = object()
+
+
+def error_for(code: int, key: str, what: str = "") -> StoreError:
+    """The exception for a master result code (its ``code`` field keeps the number)."""
+    detail = f"{key!r}: {what}" if what else repr(key)
+    if code == Code.EXISTS:
+        return ObjectExists(f"key exists or is being written: {detail}", key=key, code=code)
+    if code in (Code.NO_SPACE, Code.BUSY):
+        return CapacityExceeded(
+            f"no room for {detail} even after eviction (or larger than any segment)",
+            key=key,
+            code=int(Code.NO_SPACE),
+        )
+    if code == Code.PUT_EXPIRED:
+        return PutExpired(f"put lease expired before commit: {detail}", key=key, code=code)
+    if code == Code.UNAVAILABLE:
+        return ReplicaUnavailable(f"no live copy: {detail}", key=key, code=code)
+    return StoreError(f"store error {code}: {detail}", key=key, code=code)
+
+
+def reply_error(reply: Msg, key: str) -> StoreError:
+    if isinstance(reply, Err):
+        return error_for(reply.code, key, reply.message)
+    return StoreError(f"unexpected reply {type(reply).__name__}", key=key, code=-1)
+
+
+class Writer:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        link: MasterLink,
+        staging: Staging,
+        put_lease: float,
+        timeout: float,
+    ) -> None:
+        self.engine = engine
+        self.link = link
+        self.staging = staging
+        self.put_lease = put_lease
+        self.timeout = timeout
+        # (size, replicas) -> [(reservation id, stripes, use before)]
+        self._spares: dict[
+            tuple[int, int], list[tuple[int, list[list[tuple[str, int]]], float]]
+        ] = {}
+
+    def put(self, keys: list[str], srcs: list[Source], **opts: Any) -> list[Result]:
+        if len(keys) == 1 and not opts.get("preferred_segment") and srcs[0][1] <= _SPARE_MAX:
+            r = self._put_reserved(keys[0], srcs[0], **opts)
+            if r is not _FALLBACK:
+                return [r]  # type: ignore[list-item]
+        results = self._put_once(keys, srcs, **opts)
+        # A leader change between allocation and commit loses the allocation (the new master
+        # never made it): put those keys again, once, from the same source bytes.
+        again = [i for i, r in enumerate(results) if isinstance(r, PutExpired)]
+        if again:
+            log.info("%d put(s) expired before commit (a master fail-over?); retrying", len(again))
+            retried = self._put_once([keys[i] for i in again], [srcs[i] for i in again], **opts)
+            for i, r in zip(again, retried, strict=True):
+                results[i] = r
+        return results
+
+    def _put_once(
+        self,
+        keys: list[str],
+        srcs: list[Source],
+        *,
+        replicas: int = 1,
+        ttl: float | None = None,
+        soft_pin: bool = False,
+        hard_pin: bool = False,
+        preferred_segment: str = "",
+    ) -> list[Result]:
+        assert self.engine is not None
+        if not keys:
+            return []
+        deadline = time.monotonic() + self.timeout
+        put_id = random.getrandbits(62) + 1
+        results: list[Result] = [None] * len(keys)
+        allocs: dict[int, list[list[tuple[str, int]]]] = {}
+        todo = list(range(len(keys)))
+        while todo:
+            reply = self.link.call(
+                PutStart(
+                    put_id,
+                    [keys[i] for i in todo],
+                    [srcs[i][1] for i in todo],
+                    replicas,
+                    int(ttl * 1000) if ttl else 0,
+                    soft_pin,
+                    hard_pin,
+                    preferred_segment,
+                    reserve=len(keys) == 1 and not preferred_segment and srcs[0][1] <= _SPARE_MAX,
+                ),
+                deadline,
+            )
+            if isinstance(reply, Allocs) and reply.spare is not None:
+                self._keep_spare(srcs[0][1], replicas, reply.spare)
+            if not isinstance(reply, Allocs):
+                err = reply_error(reply, keys[todo[0]])
+                for i in todo:
+                    results[i] = err
+                break
+            busy = []
+            for i, code, stripes in zip(todo, reply.codes, reply.stripes, strict=True):
+                if code == Code.OK:
+                    allocs[i] = stripes
+                elif code == Code.BUSY and time.monotonic() < deadline:
+                    busy.append(i)  # eviction is spilling to SSD; room comes shortly
+                else:
+                    results[i] = error_for(code, keys[i])
+            todo = busy
+            if todo:
+                time.sleep(_BUSY_PAUSE)
+        staged = [i for i in allocs if srcs[i][2] is not None and srcs[i][1]]
+        with self.staging.stage([srcs[i][1] for i in staged]) as tmp:
+            addrs = [a for a, _, _ in srcs]
+            for i, addr in zip(staged, tmp, strict=True):
+                what, n = srcs[i][2], srcs[i][1]
+                if isinstance(what, Raw):
+                    ctypes.memmove(addr, what.addr, n)
+                else:
+                    view(addr, n)[:] = what  # type: ignore[index,assignment]
+                addrs[i] = addr
+            return self._write_and_commit(keys, srcs, addrs, allocs, put_id, results, deadline)
+
+    # -- one-round-trip puts ------------------------------------------------------------------
+    # A single put also reserves room for this client's next put of the same size and replica
+    # count; that next put writes straight into the reservation and commits it (which reserves
+    # again): one control round trip instead of two. An unused reservation expires on the
+    # master with the put lease, so a client that dies leaks nothing.
+    def _keep_spare(self, size: int, replicas: int, spare: Spare) -> None:
+        pool = self._spares.setdefault((size, replicas), [])
+        if len(pool) < 4:
+            pool.append((spare[0], spare[1], time.monotonic() + self.put_lease * 0.5))
+
+    def _put_reserved(
+        self,
+        key: str,
+        src: Source,
+        *,
+        replicas: int = 1,
+        ttl: float | None = None,
+        soft_pin: bool = False,
+        hard_pin: bool = False,
+        preferred_segment: str = "",
+    ) -> Result | object:
+        assert self.engine is not None
+        size = src[1]
+        pool = self._spares.get((size, replicas))
+        try:
+            rid, stripes, until = pool.pop() if pool else (0, [], 0.0)
+        except IndexError:  # another thread took the last one
+            return _FALLBACK
+        if not rid or until < time.monotonic():
+            return _FALLBACK
+        deadline = time.monotonic() + self.timeout
+        with self.staging.stage([size] if src[2] is not None and size else []) as tmp:
+            addr = src[0]
+            if tmp:
+                addr = tmp[0]
+                if isinstance(src[2], Raw):
+                    ctypes.memmove(addr, src[2].addr, size)
+                else:
+                    view(addr, size)[:] = src[2]  # type: ignore[index,assignment]
+            reqs = [
+                TransferRequest(TransferOp.WRITE, seg, addr + off, remote, n)
+                for (off, n), copies in zip(stripe_bounds(size, len(stripes)), stripes, strict=True)
+                if n
+                for seg, remote in copies
+            ]
+            if reqs:
+                left = min(deadline - time.monotonic(), self.put_lease * 0.4)
+                batch = self.engine.submit(reqs, timeout=max(0.001, left))
+                batch.wait()
+                if any(st is not TransferStatus.COMPLETED for st in batch.statuses):
+                    return _FALLBACK  # the reservation expires on the master
+        msg = PutReserved(rid, key, size, int(ttl * 1000) if ttl else 0, soft_pin, hard_pin)
+        reply = self.link.call(msg, deadline)
+        while (
+            isinstance(reply, Committed) and reply.code == Code.BUSY and time.monotonic() < deadline
+        ):
+            time.sleep(_BUSY_PAUSE)  # a new master still hearing from its servers
+            reply = self.link.call(msg, deadline)
+        if not isinstance(reply, Committed):
+            return reply_error(reply, key)
+        if reply.spare is not None:
+            self._keep_spare(size, replicas, reply.spare)
+        if reply.code == Code.OK:
+            return None
+        if reply.code == Code.EXISTS:
+            self._keep_spare(size, replicas, (rid, stripes))  # still ours
+            return error_for(reply.code, key)
+        if reply.code == Code.PUT_EXPIRED:
+            self._spares.clear()  # a new master, or expired: these are gone
+            return _FALLBACK
+        return error_for(reply.code, key)
+
+    def _write_and_commit(
+        self,
+        keys: list[str],
+        srcs: list[Source],
+        addrs: list[int],
+        allocs: dict[int, list[list[tuple[str, int]]]],
+        put_id: int,
+        results: list[Result],
+        deadline: float,
+    ) -> list[Result]:
+        assert self.engine is not None
+        reqs: list[TransferRequest] = []
+        owner: list[int] = []
+        for i, stripes in allocs.items():
+            addr, size = addrs[i], srcs[i][1]
+            bounds = stripe_bounds(size, len(stripes))
+            for (off, n), copies in zip(bounds, stripes, strict=True):
+                if n:
+                    for seg, remote in copies:
+                        reqs.append(TransferRequest(TransferOp.WRITE, seg, addr + off, remote, n))
+                        owner.append(i)
+        failed: dict[int, MooncakeConnectorsError] = {}
+        if reqs:
+            left = min(deadline - time.monotonic(), self.put_lease * 0.8)
+            batch = self.engine.submit(reqs, timeout=max(0.001, left))
+            batch.wait()
+            for j, st in enumerate(batch.statuses):
+                if st is not TransferStatus.COMPLETED and owner[j] not in failed:
+                    e = batch.errors[j]
+                    failed[owner[j]] = StoreError(
+                        f"writing {keys[owner[j]]!r} failed: {e}",
+                        key=keys[owner[j]],
+                        code=int(Code.TRANSFER_FAIL),
+                    )
+        commit = [i for i in allocs if i not in failed]
+        revoke = [keys[i] for i in failed]
+        while commit or revoke:
+            reply = self.link.call(PutEnd(put_id, [keys[i] for i in commit], revoke), deadline)
+            revoke = []
+            if not isinstance(reply, Codes):
+                for i in commit:
+                    results[i] = reply_error(reply, keys[i])
+                break
+            busy = []
+            for i, code in zip(commit, reply.codes, strict=True):
+                if code == Code.BUSY and time.monotonic() < deadline:
+                    busy.append(i)  # a new master still hearing from its servers
+                else:
+                    results[i] = None if code == Code.OK else error_for(code, keys[i])
+            commit = busy
+            if commit:
+                time.sleep(_BUSY_PAUSE)
+        for i, e in failed.items():
+            results[i] = e
+        return results
