@@ -209,3 +209,23 @@ def test_remove_all(n: int) -> None:
         assert put(s, f"k{i}", 1000, flags=HARD) == 0
     assert s.remove_all(False, 0.0) == 10
     assert not s.objects and s.used() == 0
+
+
+def test_staging_takes_no_buffer_for_nothing_and_reuses_its_memory() -> None:
+    from mooncake_connectors.config import EngineConfig
+    from mooncake_connectors.store.staging import SLOT, Staging
+    from mooncake_connectors.transfer_core import TransferEngine
+
+    with TransferEngine(EngineConfig(metadata="memory://staging")) as engine:
+        st = Staging(engine, 4 * MiB)
+        epoch = engine.local.epoch
+        with st.stage([]) as none:
+            assert none == []
+        with st.stage([100]) as (a,), st.stage([SLOT + 1, 0, 10]) as many:
+            assert a != many[0] and many[1] - many[0] >= SLOT + 1
+        with st.stage([8 * MiB]) as (big,):  # does not fit: a temporary registered buffer
+            assert engine.local.find(big, 8 * MiB) is not None
+        assert engine.local.find(big, 1) is None
+        with st.stage([1 * MiB]):
+            pass
+        assert engine.local.epoch == epoch + 2  # only the temporary buffer came and went

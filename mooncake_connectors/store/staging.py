@@ -33,6 +33,9 @@ class Staging:
     @contextlib.contextmanager
     def stage(self, sizes: Sequence[int]) -> Iterator[list[int]]:
         """Registered addresses for values of ``sizes`` bytes, valid inside the ``with``."""
+        if not sizes:
+            yield []
+            return
         if len(sizes) == 1 and sizes[0] <= SLOT and self._slots:
             addr = self._slots.pop()  # the common single small value: no lock, no allocator
             try:
@@ -43,7 +46,7 @@ class Staging:
         spans = [aligned(n) for n in sizes]
         total = sum(spans)
         with self._lock:
-            off = self._alloc.alloc(total) if total else None
+            off = self._alloc.alloc(total)
         temp = None
         if off is not None:
             base = self._base + off
