@@ -97,7 +97,29 @@ class Reader:
             # One attempt gets replica_timeout plus time for its bytes at a slow 100 MB/s: a
             # dead server then costs that much, a copy that is merely far still arrives.
             timeout = min(left, self.replica_timeout + sum(s.n for s in active) / 1e8)
-            batch = self.engine.submit(reqs, timeout=timeout)
+            try:  # the common case, in this thread: every stripe from its first choice
+                self.engine.transfer(reqs, timeout=timeout)
+                break
+            except MooncakeConnectorsError as exc:
+                bad, why = exc.peer, exc
+            if isinstance(bad, str) and any(s.cands[s.i][0] == bad for s in active):
+                # The error names the copy's segment: move its stripes on, read all again.
+                self._suspect[bad] = time.monotonic() + SUSPECT_TTL
+                retry = []
+                for s in active:
+                    if s.cands[s.i][0] == bad:
+                        s.i += 1
+                        if s.i == len(s.cands):
+                            errors[s.item] = ReplicaUnavailable(
+                                f"every copy failed; last: {why}", code=int(Code.TRANSFER_FAIL)
+                            )
+                            continue
+                    retry.append(s)
+                active = retry
+                continue
+            # Which stripes failed? Ask the engine per request (reads are idempotent).
+            left = deadline - time.monotonic()
+            batch = self.engine.submit(reqs, timeout=max(0.001, min(left, timeout)))
             batch.wait()
             retry = []
             for s, st, err in zip(active, batch.statuses, batch.errors, strict=True):

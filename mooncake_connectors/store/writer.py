@@ -235,9 +235,10 @@ class Writer:
             ]
             if reqs:
                 left = min(deadline - time.monotonic(), self.put_lease * 0.4)
-                batch = self.engine.submit(reqs, timeout=max(0.001, left))
-                batch.wait()
-                if any(st is not TransferStatus.COMPLETED for st in batch.statuses):
+                try:  # transfer() copies in this thread: no hand-off for the caller who waits
+                    self.engine.transfer(reqs, timeout=max(0.001, left))
+                except MooncakeConnectorsError as exc:
+                    log.info("write into a reservation failed (%s); a plain put follows", exc)
                     return _FALLBACK  # the reservation expires on the master
         msg = PutReserved(rid, key, size, int(ttl * 1000) if ttl else 0, soft_pin, hard_pin)
         reply = self.link.call(msg, deadline)
@@ -283,8 +284,15 @@ class Writer:
                         owner.append(i)
         failed: dict[int, MooncakeConnectorsError] = {}
         if reqs:
-            left = min(deadline - time.monotonic(), self.put_lease * 0.8)
-            batch = self.engine.submit(reqs, timeout=max(0.001, left))
+            left = max(0.001, min(deadline - time.monotonic(), self.put_lease * 0.4))
+            try:  # transfer() copies in this thread when it can: no hand-off for the waiter
+                self.engine.transfer(reqs, timeout=left)
+                reqs = []
+            except MooncakeConnectorsError as exc:
+                log.info("put batch write failed (%s); finding which keys", exc)
+        if reqs:  # writes are idempotent: again, per request, to see which keys failed
+            left = max(0.001, min(deadline - time.monotonic(), self.put_lease * 0.4))
+            batch = self.engine.submit(reqs, timeout=left)
             batch.wait()
             for j, st in enumerate(batch.statuses):
                 if st is not TransferStatus.COMPLETED and owner[j] not in failed:
