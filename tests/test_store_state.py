@@ -229,3 +229,28 @@ def test_staging_takes_no_buffer_for_nothing_and_reuses_its_memory() -> None:
         with st.stage([1 * MiB]):
             pass
         assert engine.local.epoch == epoch + 2  # only the temporary buffer came and went
+
+
+def test_coalesce_merges_only_exact_neighbours() -> None:
+    from mooncake_connectors.store.coalesce import coalesce
+    from mooncake_connectors.transfer_core.engine import TransferRequest
+    from mooncake_connectors.types import TransferOp
+
+    R = TransferOp.READ
+    reqs = [TransferRequest(R, "a", 1000 + 100 * i, 5000 + 100 * i, 100) for i in (2, 0, 1)] + [
+        TransferRequest(R, "b", 1300, 5300, 100),  # another segment
+        TransferRequest(R, "a", 1400, 5300, 100),  # local side not adjacent to the run
+        TransferRequest(R, "a", 1300, 5400, 50),  # remote gap
+    ]
+    out = coalesce(reqs)
+    assert TransferRequest(R, "a", 1000, 5000, 300) in out
+    assert len(out) == 4 and sum(r.length for r in out) == sum(r.length for r in reqs)
+
+
+def test_a_batch_lands_back_to_back() -> None:
+    s = make(2)
+    codes, stripes = s.put_start(1, [f"k{i}" for i in range(8)], [4096] * 8, 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK] * 8
+    addrs = [st[0][0] for st in stripes]
+    assert len({seg for seg, _ in addrs}) == 1
+    assert [a for _, a in addrs] == [addrs[0][1] + 4096 * i for i in range(8)]

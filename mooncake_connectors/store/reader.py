@@ -19,6 +19,7 @@ from ..errors import MooncakeConnectorsError, ReplicaUnavailable, StoreError
 from ..transfer_core.descriptor import host_id
 from ..transfer_core.engine import TransferEngine, TransferRequest
 from ..types import TransferOp, TransferStatus
+from .coalesce import coalesce
 from .link import MasterLink
 from .protocol import Code, Err, Load, Loaded, Loc, Release, stripe_bounds
 from .rpc import Channel
@@ -98,7 +99,7 @@ class Reader:
             # dead server then costs that much, a copy that is merely far still arrives.
             timeout = min(left, self.replica_timeout + sum(s.n for s in active) / 1e8)
             try:  # the common case, in this thread: every stripe from its first choice
-                self.engine.transfer(reqs, timeout=timeout)
+                self.engine.transfer(coalesce(reqs), timeout=timeout)
                 break
             except MooncakeConnectorsError as exc:
                 bad, why = exc.peer, exc

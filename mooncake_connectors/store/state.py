@@ -206,7 +206,6 @@ class MasterState:
                 used_by.append(seg.server)
                 locs[r * nst + s] = pack(seg.id, off)
             start += 1
-        self._rr = (self._rr + 1) % n
         return locs, nrep
 
     def _release_locs(self, locs: Any, size: int, nst: int) -> None:
@@ -434,6 +433,9 @@ class MasterState:
         codes: list[int] = []
         out: list[list[list[tuple[str, int]]]] = []
         deadline = now + self.cfg.put_lease_ttl
+        # One placement start per call, not per key: a batch lands back to back in the same
+        # segments (its transfers then merge); successive calls rotate over the segments.
+        self._rr = (self._rr + 1) % max(1, len(self._order))
         for key, size in zip(keys, sizes, strict=True):
             obj = self.objects.get(key)
             if obj is not None and (
@@ -540,6 +542,7 @@ class MasterState:
         self, size: int, nrep: int, now: float
     ) -> tuple[int, list[list[tuple[str, int]]]] | None:
         """Allocate room for a future put (no eviction for it); None when there is none."""
+        self._rr = (self._rr + 1) % max(1, len(self._order))
         placed = self._place(size, nrep, "")
         if placed is None:
             return None

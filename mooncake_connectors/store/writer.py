@@ -28,6 +28,7 @@ from ..errors import (
 from ..transfer_core.engine import TransferEngine, TransferRequest
 from ..transfer_core.memory import view
 from ..types import TransferOp, TransferStatus
+from .coalesce import coalesce
 from .link import MasterLink
 from .protocol import (
     Allocs,
@@ -286,7 +287,7 @@ class Writer:
         if reqs:
             left = max(0.001, min(deadline - time.monotonic(), self.put_lease * 0.4))
             try:  # transfer() copies in this thread when it can: no hand-off for the waiter
-                self.engine.transfer(reqs, timeout=left)
+                self.engine.transfer(coalesce(reqs), timeout=left)
                 reqs = []
             except MooncakeConnectorsError as exc:
                 log.info("put batch write failed (%s); finding which keys", exc)
