@@ -173,6 +173,15 @@ class MasterState:
         order = self._order
         if not order:
             return None
+        if nrep == 1 and size <= self.cfg.stripe_size and not preferred:
+            n = len(order)  # the common case, kept lean: one copy, one stripe
+            start = self._rr
+            for k in range(n):
+                one = order[(start + k) % n]
+                got = one.alloc.alloc(size)  # type: ignore[union-attr]
+                if got is not None:
+                    return [one.id << SHIFT | got], 1
+            return None
         nst = stripe_count(size, self.cfg.stripe_size)
         bounds = stripe_bounds(size, nst)
         n_servers = len({s.server for s in order})
@@ -342,6 +351,18 @@ class MasterState:
 
     def note_holdings(self, key: str, obj: Obj, put_id: int = 0) -> None:
         locs = obj.locs
+        if type(locs) is int and obj.extra is None:  # the common case, kept lean
+            seg = self.segments.get(locs >> SHIFT)
+            if seg is not None:
+                rec = seg.server
+                at_ms = int(time.time() * 1000) if put_id else 0
+                flags = obj.meta & PIN
+                part = Part(
+                    key, obj.size, 1, 1, 0, 0, flags, 0, seg.name, locs & MASK, put_id, at_ms
+                )
+                rec.ops.append(part)
+                self.dirty.add(rec)
+            return
         if type(locs) is int:
             locs = (locs,)
         nrep = obj.meta >> 8
@@ -504,11 +525,16 @@ class MasterState:
     def _commit(self, key: str, p: Pending, now: float) -> int:
         """Make an allocation whose bytes were written visible as ``key``."""
         nst = len(p.locs) // p.nrep
-        live = [x if (x >> SHIFT) in self.segments else -1 for x in p.locs]
+        if len(p.locs) == 1:
+            live = p.locs if (p.locs[0] >> SHIFT) in self.segments else [-1]
+            lost = live[0] < 0
+        else:
+            live = [x if (x >> SHIFT) in self.segments else -1 for x in p.locs]
+            lost = any(all(live[r * nst + s] < 0 for r in range(p.nrep)) for s in range(nst))
         if key in self.objects:  # re-reported to a new leader meanwhile
             self._release_locs(live, p.size, nst)
             return Code.EXISTS
-        if any(all(live[r * nst + s] < 0 for r in range(p.nrep)) for s in range(nst)):
+        if lost:
             self._release_locs(live, p.size, nst)
             return Code.UNAVAILABLE
         locs: Any = live[0] if len(live) == 1 else tuple(live)
