@@ -2,8 +2,8 @@
 
 Each system runs as users run it: a master process, a data-owner process that contributes the
 memory (our ``store-server``; for Mooncake a ``MooncakeDistributedStore`` with a global segment),
-and the client in this process (a pure client: it contributes no memory). Cases, interleaved
-round by round so machine noise hits both alike:
+and the client in this process (a pure client: it contributes no memory). Cases, with the systems
+alternating every few calls so machine noise hits both alike:
 
   put / get / get_into of each size — single calls, a fresh key per op;
   batches (``COUNTxSIZE``): put_batch, get_batch and batch_get_into of COUNT keys per call.
@@ -266,6 +266,7 @@ def _fmt(n: int) -> str:
 
 
 Call = Callable[[], Any]
+_CHUNK = 8  # calls per turn when the systems alternate
 
 
 def _single_calls(sysm: _System, keys: list[str], v: Any, dest: Any) -> dict[str, list[Call]]:
@@ -355,42 +356,47 @@ def run_store_benchmark(
             values.setdefault(s, rng.integers(0, 256, size=s, dtype=np.uint8))
 
         def measure(
-            label: str,
-            sysm: _System,
-            calls: list[Callable[[], Any]],
-            nbytes: int,
-            ops_per_call: int,
+            label: str, calls: dict[str, list[Callable[[], Any]]], nbytes: int, per_call: int
         ) -> None:
-            lat = []
-            t0 = time.perf_counter()
-            for fn in calls:
-                a = time.perf_counter()
-                fn()
-                lat.append(time.perf_counter() - a)
-            wall = time.perf_counter() - t0
-            samples.setdefault(label, {}).setdefault(sysm.name, []).append(
-                (wall, lat, nbytes, ops_per_call * len(calls))
-            )
+            """Run each system's calls in alternating chunks (noise hits both alike)."""
+            wall = dict.fromkeys(calls, 0.0)
+            lat: dict[str, list[float]] = {name: [] for name in calls}
+            n = len(next(iter(calls.values())))
+            for c0 in range(0, n, _CHUNK):
+                for name, fns in calls.items():
+                    t0 = time.perf_counter()
+                    for fn in fns[c0 : c0 + _CHUNK]:
+                        a = time.perf_counter()
+                        fn()
+                        lat[name].append(time.perf_counter() - a)
+                    wall[name] += time.perf_counter() - t0
+            for name in calls:
+                samples.setdefault(label, {}).setdefault(name, []).append(
+                    (wall[name], lat[name], nbytes, per_call * n)
+                )
 
         for rnd in range(rounds + 1):  # round 0 warms up (connections, mappings); not kept
             tag = "" if rnd else "warmup "
             for size in size_list:
                 n = _ops_for(size, scale)
+                keys = [f"r{rnd}-s{size}-{i}" for i in range(n)]
+                per = {m.name: _single_calls(m, keys, values[size], dest) for m in systems}
+                for op in ("put", "get", "get_into"):
+                    calls = {name: ops[op] for name, ops in per.items()}
+                    measure(f"{tag}{op} {_fmt(size)}", calls, n * size, 1)
                 for sysm in systems:
-                    keys = [f"r{rnd}-s{size}-{i}" for i in range(n)]
-                    for op, calls in _single_calls(sysm, keys, values[size], dest).items():
-                        measure(f"{tag}{op} {_fmt(size)}", sysm, calls, n * size, 1)
                     sysm.clear()
             for count, size in batch_list:
                 calls_n = max(4, _ops_for(count * size, scale))
                 label = f"{count}x{_fmt(size)}"
+                groups = [
+                    [f"r{rnd}-b{label}-{c}-{i}" for i in range(count)] for c in range(calls_n)
+                ]
+                per = {m.name: _batch_calls(m, groups, values[size], dest) for m in systems}
+                for op in ("put_batch", "get_batch", "batch_get_into"):
+                    calls = {name: ops[op] for name, ops in per.items()}
+                    measure(f"{tag}{op} {label}", calls, calls_n * count * size, count)
                 for sysm in systems:
-                    groups = [
-                        [f"r{rnd}-b{label}-{c}-{i}" for i in range(count)] for c in range(calls_n)
-                    ]
-                    total = calls_n * count * size
-                    for op, calls in _batch_calls(sysm, groups, values[size], dest).items():
-                        measure(f"{tag}{op} {label}", sysm, calls, total, count)
                     sysm.clear()
     finally:
         for sysm in systems:
