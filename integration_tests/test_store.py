@@ -190,3 +190,28 @@ def test_bench_store_emits_json() -> None:
     assert result["benchmark"] == "store"
     assert result["results"]["get 4K"]["ours"]["ops_s"] > 0
     assert result["results"]["put_batch 8x4K"]["ours"]["gb_s"] > 0
+
+
+def test_large_values_go_direct_and_the_same_buffer_twice_is_fine(store: StoreClient) -> None:
+    import threading
+
+    big = pattern(31, 3 << 20)
+    assert store.put_batch(["d1", "d2", "d3"], [big, big, big[1 << 20 :]]) == [None] * 3
+    errors: list[object] = []
+
+    def put(i: int) -> None:
+        try:
+            store.put(f"dt{i}", big)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    regions = len(store.engine.local.regions()) if store.engine else 0
+    got = store.get_batch(["d1", "d2", "d3", "dt0", "dt3"])
+    assert got == [big.tobytes()] * 2 + [big[1 << 20 :].tobytes()] + [big.tobytes()] * 2
+    assert store.engine is not None and len(store.engine.local.regions()) == regions

@@ -57,6 +57,22 @@ from .writer import Raw, Result, Source, Writer, reply_error
 log = logging.getLogger(__name__)
 
 
+_DIRECT_MIN = 1 << 20
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def _bytes_data_offset() -> int:
+    """Where a bytes object's payload starts (CPython); 0 if that cannot be confirmed."""
+    probe = bytes(range(16))
+    off = bytes.__basicsize__ - 1
+    return off if ctypes.string_at(id(probe) + off, 16) == probe else 0
+
+
+_BYTES_DATA = _bytes_data_offset()
+
+
 def _as_bytes(value: Any) -> memoryview:
     mv = memoryview(value)
     if not mv.c_contiguous:
@@ -78,6 +94,7 @@ class StoreClient:
         self._writer: Writer | None = None
         self._reader: Reader | None = None
         self._closed = False
+        self._direct = False  # large gets read straight into the bytes they return
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> StoreClient:
@@ -98,10 +115,18 @@ class StoreClient:
         self.engine = TransferEngine(ecfg).start()
         try:
             self._staging = Staging(self.engine, cfg.local_buffer_size)
-            self._writer = Writer(
-                self.engine, self.link, self._staging, self.put_lease, cfg.timeout
-            )
+
             self._reader = Reader(self.engine, cfg.replica_timeout, self.link, cfg.rpc_timeout)
+            # Registering memory re-publishes this engine's descriptor and makes peers that read
+            # from it re-fetch: only for a pure client whose metadata is local (p2p, memory).
+            self._direct = (
+                _BYTES_DATA > 0
+                and not cfg.global_segment_size
+                and ecfg.metadata.split(":", 1)[0].lower() in ("p2p", "p2phandshake", "memory")
+            )
+            self._writer = Writer(
+                self.engine, self.link, self._staging, self.put_lease, cfg.timeout, self._direct
+            )
             if cfg.global_segment_size:
                 from .server import StoreServer
 
@@ -256,6 +281,12 @@ class StoreClient:
         locs = self._lookup(keys, deadline)
         found = [(i, loc) for i, loc in enumerate(locs) if loc is not None]
         out: list[bytes | None] = [None] * len(keys)
+        if self._direct and found and all(loc.size >= _DIRECT_MIN for _, loc in found):
+            direct = self._get_direct(keys, found, deadline)
+            if direct is not None:
+                for (i, _), value in zip(found, direct, strict=True):
+                    out[i] = value
+                return out
         with self._stage([loc.size for _, loc in found]) as addrs:
             errors = self._reader.read(
                 [(loc, a) for (_, loc), a in zip(found, addrs, strict=True)], deadline
@@ -265,6 +296,37 @@ class StoreClient:
                     out[i] = ctypes.string_at(addr, loc.size) if loc.size else b""
                 else:
                     log.info("get %r failed, reported as a miss: %s", keys[i], err)
+        return out
+
+    def _get_direct(
+        self, keys: list[str], found: list[tuple[int, Loc]], deadline: float
+    ) -> list[bytes | None] | None:
+        """Read large values straight into new ``bytes`` objects (registered for the read),
+        saving the copy out of staging; None when that cannot be done (then stage)."""
+        assert self.engine is not None and self._reader is not None
+        values = [_new_bytes(None, loc.size) for _, loc in found]
+        ranges = [(id(v) + _BYTES_DATA, len(v)) for v in values]
+        if any(
+            self.engine.local.find(a, 1) or self.engine.local.find(a + n - 1, 1) for a, n in ranges
+        ):
+            return None  # memory someone registered and freed: stay out of its way
+        try:
+            regions = self.engine.register_many(ranges, owner=values)
+        except MooncakeConnectorsError as exc:
+            log.debug("direct get unavailable (%s); staging instead", exc)
+            return None
+        try:
+            errors = self._reader.read(
+                [(loc, a) for (_, loc), (a, _) in zip(found, ranges, strict=True)], deadline
+            )
+        finally:
+            for region in regions:
+                self.engine.unregister(region)
+        out: list[bytes | None] = []
+        for (i, _), value, err in zip(found, values, errors, strict=True):
+            if err is not None:
+                log.info("get %r failed, reported as a miss: %s", keys[i], err)
+            out.append(value if err is None else None)
         return out
 
     def get_into(self, key: str, addr: int, size: int) -> int | None:

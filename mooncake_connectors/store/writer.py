@@ -11,10 +11,14 @@ spilling to SSD, a new master still hearing from its servers) are retried until 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import logging
 import random
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import (
@@ -27,7 +31,7 @@ from ..errors import (
 )
 from ..transfer_core.engine import TransferEngine, TransferRequest
 from ..transfer_core.memory import view
-from ..types import TransferOp, TransferStatus
+from ..types import Access, TransferOp, TransferStatus
 from .coalesce import coalesce
 from .link import MasterLink
 from .protocol import (
@@ -64,6 +68,14 @@ Source = tuple[int, int, "memoryview | Raw | None"]
 _BUSY_PAUSE = 0.02
 _SPARE_MAX = 64 << 20  # puts up to this size reserve room for the next one
 _FALLBACK = object()
+_DIRECT_MIN = 1 << 20
+_MAYBE_REGISTERED = 64 << 10
+
+
+def _buffer_address(mv: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
 
 
 def error_for(code: int, key: str, what: str = "") -> StoreError:
@@ -98,8 +110,12 @@ class Writer:
         staging: Staging,
         put_lease: float,
         timeout: float,
+        direct: bool = False,
     ) -> None:
         self.engine = engine
+        self.direct = direct  # may register large values for the call instead of staging them
+        self._held: dict[tuple[int, int], list[int]] = {}  # range -> [users, region address]
+        self._held_lock = threading.Lock()
         self.link = link
         self.staging = staging
         self.put_lease = put_lease
@@ -177,17 +193,90 @@ class Writer:
             todo = busy
             if todo:
                 time.sleep(_BUSY_PAUSE)
-        staged = [i for i in allocs if srcs[i][2] is not None and srcs[i][1]]
-        with self.staging.stage([srcs[i][1] for i in staged]) as tmp:
+        placed = sorted(allocs)
+        with self._materialize([srcs[i] for i in placed]) as where:
             addrs = [a for a, _, _ in srcs]
-            for i, addr in zip(staged, tmp, strict=True):
-                what, n = srcs[i][2], srcs[i][1]
-                if isinstance(what, Raw):
-                    ctypes.memmove(addr, what.addr, n)
-                else:
-                    view(addr, n)[:] = what  # type: ignore[index,assignment]
+            for i, addr in zip(placed, where, strict=True):
                 addrs[i] = addr
             return self._write_and_commit(keys, srcs, addrs, allocs, put_id, results, deadline)
+
+    @contextlib.contextmanager
+    def _materialize(self, srcs: list[Source]) -> Iterator[list[int]]:
+        """Registered addresses holding each source's bytes, inside the ``with``: registered
+        memory as is; large Python buffers registered for the call (``direct``); the rest
+        copied into staging."""
+        where = [a for a, _, _ in srcs]
+        direct: list[int] = []
+        held: list[tuple[int, int]] = []
+        mine = []  # large Python buffers that already lie in registered memory: no copy
+        for k, (_, n, what) in enumerate(srcs):
+            if n >= _MAYBE_REGISTERED and isinstance(what, memoryview):
+                addr = _buffer_address(what)
+                if self.engine.local.find(addr, n) is not None:
+                    where[k] = addr
+                    mine.append(k)
+        if mine:
+            srcs = [
+                (where[k], n, None) if k in mine else (a, n, w) for k, (a, n, w) in enumerate(srcs)
+            ]
+        if self.direct:
+            direct = [
+                k
+                for k, (_, n, what) in enumerate(srcs)
+                if n >= _DIRECT_MIN and isinstance(what, memoryview)
+            ]
+            for k in direct:
+                where[k] = _buffer_address(srcs[k][2])  # type: ignore[arg-type]
+            held = sorted({(where[k], srcs[k][1]) for k in direct})
+            if not self._hold(held):
+                direct, held = [], []
+        skip = set(direct)
+        staged = [
+            k for k, (_, n, what) in enumerate(srcs) if what is not None and n and k not in skip
+        ]
+        try:
+            with self.staging.stage([srcs[k][1] for k in staged]) as tmp:
+                for k, addr in zip(staged, tmp, strict=True):
+                    what, n = srcs[k][2], srcs[k][1]
+                    if isinstance(what, Raw):
+                        ctypes.memmove(addr, what.addr, n)
+                    else:
+                        view(addr, n)[:] = what  # type: ignore[index,assignment]
+                    where[k] = addr
+                yield where
+        finally:
+            self._let_go(held)
+
+    def _hold(self, ranges: list[tuple[int, int]]) -> bool:
+        """Register ``ranges`` (sorted, distinct) for a call, counted: the same buffer put by
+        several calls at once is registered once. False: use staging instead."""
+        if any(a + n > b for (a, n), (b, _) in itertools.pairwise(ranges)):
+            return False  # overlapping slices of one buffer
+        with self._held_lock:
+            fresh = [r for r in ranges if r not in self._held]
+            local = self.engine.local
+            if any(local.find(a, 1) or local.find(a + n - 1, 1) for a, n in fresh):
+                return False  # overlaps memory registered otherwise
+            if fresh:
+                try:
+                    regions = self.engine.register_many(fresh, access=Access.READ)
+                except MooncakeConnectorsError as exc:
+                    log.debug("direct put unavailable (%s); staging instead", exc)
+                    return False
+                for r, region in zip(fresh, regions, strict=True):
+                    self._held[r] = [0, region.addr]
+            for r in ranges:
+                self._held[r][0] += 1
+        return True
+
+    def _let_go(self, ranges: list[tuple[int, int]]) -> None:
+        with self._held_lock:
+            for r in ranges:
+                entry = self._held[r]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del self._held[r]
+                    self.engine.unregister(entry[1])
 
     # -- one-round-trip puts ------------------------------------------------------------------
     # A single put also reserves room for this client's next put of the same size and replica
@@ -220,14 +309,7 @@ class Writer:
         if not rid or until < time.monotonic():
             return _FALLBACK
         deadline = time.monotonic() + self.timeout
-        with self.staging.stage([size] if src[2] is not None and size else []) as tmp:
-            addr = src[0]
-            if tmp:
-                addr = tmp[0]
-                if isinstance(src[2], Raw):
-                    ctypes.memmove(addr, src[2].addr, size)
-                else:
-                    view(addr, size)[:] = src[2]  # type: ignore[index,assignment]
+        with self._materialize([src]) as (addr,):
             reqs = [
                 TransferRequest(TransferOp.WRITE, seg, addr + off, remote, n)
                 for (off, n), copies in zip(stripe_bounds(size, len(stripes)), stripes, strict=True)
