@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import free_port, pattern
+from helpers import free_port, pattern, wait_until
 from store_cluster import CLI, client, cluster, start_master, start_server, wait_servers
 
 from mooncake_connectors.errors import ObjectExists
@@ -154,6 +154,8 @@ def test_metrics_and_health() -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                 return r.read().decode()
 
+        # the exported values are a snapshot the master refreshes every tick (50 ms)
+        wait_until(lambda: "mooncake_connectors_store_keys 1.0" in scrape(), 10, "the snapshot")
         text = scrape()
         assert "mooncake_connectors_store_keys" in text
         assert "mooncake_connectors_store_puts_total" in text
