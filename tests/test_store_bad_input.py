@@ -146,3 +146,13 @@ def test_client_errors_for_huge_and_unplaceable_values(master: Master) -> None:
             c.put_batch(["a"], [b"1", b"2"])
         reply = c._master(Remove(["x"] * 10), c._deadline())
         assert not isinstance(reply, Err)
+
+
+def test_loopback_peers_take_the_unix_socket_and_tcp_still_works(master: Master) -> None:
+    ch = Channel(master.address, 5.0)
+    assert ch.sock.family == socket.AF_UNIX
+    assert not isinstance(ch.call(Exists(["k"]), 5.0), Err)
+    ch.close()
+    with raw(master) as s:  # plain TCP, as a remote peer connects
+        s.sendall(frame(Exists(["k"]), 9))
+        assert s.recv(65536)

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ..config import is_loopback
 from ..errors import ProtocolError
 from .config import split_hostport
 from .protocol import (
@@ -42,6 +43,21 @@ from .protocol import (
 log = logging.getLogger(__name__)
 _HDR = PREFIX.size + HEADER.size
 _RECV = 65536  # below malloc's mmap threshold: a 1 MiB recv buffer costs an mmap per call
+
+
+def unix_name(host: str, port: int) -> str:
+    return f"\0mooncake-connectors-store-{host}:{port}"
+
+
+def _connect_unix(host: str, port: int, timeout: float) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(unix_name(host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
 
 
 class Conn:
@@ -90,6 +106,18 @@ class FrameServer:
         self._listener.setblocking(False)
         self.host = host
         self.port: int = self._listener.getsockname()[1]
+        # Loopback peers may use an abstract unix socket named after the TCP address: no TCP
+        # stack on the way (measured ~10-20 % less per round trip than loopback TCP here).
+        self._unix: socket.socket | None = None
+        if is_loopback(host):
+            try:
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                u.bind(unix_name(host, self.port))
+                u.listen(128)
+                u.setblocking(False)
+                self._unix = u
+            except OSError as exc:  # taken, or no abstract namespace: TCP only
+                log.debug("no unix listener for port %d: %s", self.port, exc)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -104,6 +132,8 @@ class FrameServer:
 
     def start(self) -> FrameServer:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
+        if self._unix is not None:
+            self._sel.register(self._unix, selectors.EVENT_READ, "unix")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
@@ -130,7 +160,9 @@ class FrameServer:
                 timeout = self.tick() if self.tick is not None else 0.5
                 for key, mask in self._sel.select(max(0.0, min(timeout, 0.5))):
                     if key.data is None:
-                        self._accept()
+                        self._accept(self._listener)
+                    elif key.data == "unix":
+                        self._accept(self._unix)  # type: ignore[arg-type]
                     elif key.data == "wake":
                         self._drain_wake()
                     else:
@@ -147,6 +179,8 @@ class FrameServer:
                 self._close(conn)
             self._sel.close()
             self._listener.close()
+            if self._unix is not None:
+                self._unix.close()
             self._wake_r.close()
             self._wake_w.close()
 
@@ -159,18 +193,22 @@ class FrameServer:
         while self._calls:
             self._calls.popleft()()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, addr = self._listener.accept()
+                sock, addr = listener.accept()
             except BlockingIOError:
                 return
             except OSError as exc:  # EMFILE and the like: keep serving who we have
                 log.warning("%s: accept failed: %s", self.name, exc)
                 return
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Conn(sock, f"{addr[0]}:{addr[1]}")
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                peer = f"{addr[0]}:{addr[1]}"
+            else:
+                peer = "unix"
+            conn = Conn(sock, peer)
             self.conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -302,8 +340,11 @@ class Channel:
     def __init__(self, address: str, timeout: float) -> None:
         host, port = split_hostport(address)
         self.address = address
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = _connect_unix(host, port, timeout) if is_loopback(host) else None
+        if sock is None:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock: socket.socket = sock
         self.rbuf = bytearray()
         self.pushes: collections.deque[Msg] = collections.deque()
         self.closed = False
