@@ -92,6 +92,9 @@ def master(
         str | None, typer.Option(help="etcd://HOST:PORT/PREFIX: elect a leader among masters.")
     ] = None,
     ha_lease_ttl: Annotated[float, typer.Option(help="Leader lease TTL in seconds.")] = 5.0,
+    advertise: Annotated[
+        str | None, typer.Option(help="HOST:PORT written to the leader key (default host:port).")
+    ] = None,
     stripe_size: Annotated[str, typer.Option(help="Values above this are striped.")] = "64M",
     high_watermark: Annotated[float, typer.Option(help="Eviction starts above this.")] = 0.95,
     low_watermark: Annotated[float, typer.Option(help="Eviction stops at this.")] = 0.85,
@@ -113,6 +116,7 @@ def master(
         metadata=metadata,
         ha=ha,
         ha_lease_ttl=ha_lease_ttl,
+        advertise=advertise,
         stripe_size=parse_size(stripe_size),
         high_watermark=high_watermark,
         low_watermark=low_watermark,
