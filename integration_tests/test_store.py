@@ -217,3 +217,11 @@ def test_large_values_go_direct_and_the_same_buffer_twice_is_fine(store: StoreCl
     got = store.get_batch(["d1", "d2", "d3", "dt0", "dt3"])
     assert got == [big.tobytes()] * 2 + [big[1 << 20 :].tobytes()] + [big.tobytes()] * 2
     assert store.engine is not None and len(store.engine.local.regions()) == regions
+
+
+def test_ttl_and_pins_through_the_client(store: StoreClient) -> None:
+    store.put("ttl", b"short-lived", ttl=0.3, soft_pin=True)
+    assert store.get("ttl") == b"short-lived"
+    wait_until(lambda: store.get("ttl") is None, 10, "the TTL to expire")
+    store.put("pinned", b"p", hard_pin=True)
+    assert store.remove("pinned", force=True) and not store.exists("pinned")
