@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Annotated
@@ -135,6 +136,106 @@ def proxy(
     decode = [u.strip() for arg in decode for u in arg.split(",") if u.strip()]
     typer.echo(f"PD proxy on http://{host}:{port} prefill={prefill} decode={decode}", err=True)
     run_proxy(prefill, decode, host=host, port=port, timeout=timeout)
+
+
+@app.command()
+def master(
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Control-plane port.")] = 50051,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve /metrics and /health on this port.")
+    ] = None,
+    metadata: Annotated[
+        str, typer.Option(help="Engines' metadata: p2p (no service), http://… or etcd://….")
+    ] = "p2p",
+    ha: Annotated[
+        str | None, typer.Option(help="etcd://HOST:PORT/PREFIX: elect a leader among masters.")
+    ] = None,
+    ha_lease_ttl: Annotated[float, typer.Option(help="Leader lease TTL in seconds.")] = 5.0,
+    advertise: Annotated[
+        str | None, typer.Option(help="HOST:PORT written to the leader key (default host:port).")
+    ] = None,
+    stripe_size: Annotated[str, typer.Option(help="Values above this are striped.")] = "64M",
+    high_watermark: Annotated[float, typer.Option(help="Eviction starts above this.")] = 0.95,
+    low_watermark: Annotated[float, typer.Option(help="Eviction stops at this.")] = 0.85,
+    put_lease_ttl: Annotated[float, typer.Option(help="Seconds to commit a put.")] = 60.0,
+    read_lease_ttl: Annotated[float, typer.Option(help="Seconds a get protects.")] = 5.0,
+    heartbeat_interval: Annotated[float, typer.Option(help="Server heartbeat period.")] = 1.0,
+    server_ttl: Annotated[float, typer.Option(help="Silence before a server is dead.")] = 5.0,
+    verbose: Verbose = 0,
+) -> None:
+    """Run the store master (metadata and allocation only) in the foreground."""
+    _setup_logging(max(verbose, 1))
+    from .store.config import MasterConfig, parse_size
+    from .store.master import Master
+
+    cfg = MasterConfig(
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        metadata=metadata,
+        ha=ha,
+        ha_lease_ttl=ha_lease_ttl,
+        advertise=advertise,
+        stripe_size=parse_size(stripe_size),
+        high_watermark=high_watermark,
+        low_watermark=low_watermark,
+        put_lease_ttl=put_lease_ttl,
+        read_lease_ttl=read_lease_ttl,
+        heartbeat_interval=heartbeat_interval,
+        server_ttl=server_ttl,
+    )
+    m = Master(cfg).start()
+    typer.echo(json.dumps({"master": m.address, "metrics_port": m.metrics_port}), err=True)
+    try:
+        m.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        m.close()
+
+
+@app.command("store-server")
+def store_server(
+    memory: Annotated[str, typer.Option(help="Memory to contribute, e.g. 4G.")],
+    master: Annotated[
+        str, typer.Option(help="HOST:PORT, or etcd://HOST:PORT/PREFIX to follow the leader.")
+    ] = "127.0.0.1:50051",
+    host: Annotated[str, typer.Option(help="Address to bind and advertise.")] = "127.0.0.1",
+    ssd_dir: Annotated[str | None, typer.Option(help="Spill evicted objects here.")] = None,
+    ssd_size: Annotated[str, typer.Option(help="SSD budget, e.g. 100G.")] = "0",
+    metadata: Annotated[
+        str | None, typer.Option(help="Override the engines' metadata backend.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Contribute memory (and SSD) to the store and hold the data, in the foreground."""
+    _setup_logging(max(verbose, 1))
+    import signal
+    import threading
+
+    from .store.config import ServerConfig, parse_size
+    from .store.server import StoreServer
+
+    cfg = ServerConfig(
+        master=master,
+        memory=parse_size(memory),
+        host=host,
+        ssd_dir=ssd_dir,
+        ssd_size=parse_size(ssd_size),
+        metadata=metadata,
+    )
+    server = StoreServer(cfg).start()
+    typer.echo(json.dumps({"segment": server.segment, "pid": os.getpid()}), err=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        while not done.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
 
 
 @bench_app.command("transfer")
@@ -300,6 +401,48 @@ def bench_vllm_pd(
             progress=advance,
         )
     _emit(result, output)
+
+
+@bench_app.command("store")
+def bench_store(
+    rounds: Annotated[int, typer.Option(min=1, max=100, help="Measured rounds (+1 warm-up).")] = 3,
+    sizes: Annotated[str, typer.Option(help="Single-call value sizes.")] = "4K,256K,4M",
+    batches: Annotated[str, typer.Option(help="Batch cases COUNTxSIZE.")] = "64x4K,16x4M",
+    memory: Annotated[str, typer.Option(help="Memory of each system's data owner.")] = "1G",
+    scale: Annotated[float, typer.Option(help="Scale the number of ops per case.")] = 1.0,
+    mooncake: Annotated[
+        bool, typer.Option(help="Also run Mooncake's master and store when installed.")
+    ] = True,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Master, data owner and client as separate processes; ours and Mooncake's, interleaved."""
+    _setup_logging(verbose)
+    from .store.bench import run_store_benchmark
+
+    result = run_store_benchmark(
+        rounds=rounds,
+        sizes=sizes,
+        batches=batches,
+        memory=memory,
+        scale=scale,
+        with_mooncake=mooncake,
+    )
+    _emit(result, output)
+
+
+@bench_app.command("store-memory")
+def bench_store_memory(
+    keys: Annotated[int, typer.Option(min=1, help="Keys to commit.")] = 1_000_000,
+    key_len: Annotated[int, typer.Option(min=1, max=4096, help="Key length (hex chars).")] = 32,
+    batch: Annotated[int, typer.Option(min=1, max=65536, help="Keys per control call.")] = 1000,
+) -> None:
+    """The master's resident memory per key (a real master process, RSS before and after)."""
+    from .store.memory_bench import run_memory_benchmark
+
+    typer.echo(json.dumps(run_memory_benchmark(keys=keys, key_len=key_len, batch=batch), indent=2))
 
 
 def main() -> None:

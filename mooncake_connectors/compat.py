@@ -2,6 +2,8 @@
 
     # from mooncake.engine import TransferEngine
     from mooncake_connectors.compat import TransferEngine
+    # from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    from mooncake_connectors.compat import MooncakeDistributedStore, ReplicateConfig
 
 Same method names, argument order and return conventions: 0 on success and a negative value on
 failure (the reason is logged), addresses as ints. ``metadata_server`` accepts Mooncake's forms:
@@ -253,3 +255,9 @@ class TransferEngine:
             "allocate_managed_buffer, free_managed_buffer, transfer_sync_write/read, "
             "batch_transfer_sync_write/read"
         )
+
+
+# The store facade lives in its own module; both are importable from here.
+from .compat_store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction  # noqa: E402
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "TransferEngine"]

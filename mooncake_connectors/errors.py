@@ -14,10 +14,12 @@
     │   ├── AccessViolation              remote address outside a registered region or rights
     │   └── NoPathAvailable              no transport can reach that peer for that memory
     └── StoreError                       distributed store failures (see store/)
-        ├── NotLeader
-        ├── ReplicaUnavailable
-        ├── CapacityExceeded
-        └── ObjectExists
+        ├── NotLeader                    the contacted master is a standby
+        ├── MasterUnavailable            no master answered within the deadline
+        ├── ReplicaUnavailable           no live replica could serve the request
+        ├── CapacityExceeded             no room even after eviction
+        ├── ObjectExists                 the key already holds (or is writing) an object
+        └── PutExpired                   a put was committed after its lease ran out
 
 Every foreign exception is mapped once, at the boundary where it happens, with
 ``raise Ours(...) from exc``. Errors carry structured fields (peer, path, key) so callers
@@ -115,3 +117,11 @@ class CapacityExceeded(StoreError):
 
 class ObjectExists(StoreError):
     """A put for a key that already holds a committed object."""
+
+
+class MasterUnavailable(StoreError):
+    """No master (leader) answered within the call's deadline."""
+
+
+class PutExpired(StoreError):
+    """A put's allocation expired (or a new leader took over) before it was committed."""

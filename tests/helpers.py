@@ -137,7 +137,16 @@ class Peer:
         return reply
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; for SIGSTOP/SIGCONT also wait until the process is (no longer) stopped,
+        since delivery is asynchronous: the target stops only when it next runs."""
         os.kill(self.proc.pid, sig)
+        if sig in (signal.SIGSTOP, signal.SIGCONT):
+            want_stopped = sig == signal.SIGSTOP
+            wait_until(lambda: self.stopped() == want_stopped, 10, f"peer to handle signal {sig}")
+
+    def stopped(self) -> bool:
+        with open(f"/proc/{self.proc.pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "T"
 
     def kill(self) -> None:
         if self.proc.poll() is None:

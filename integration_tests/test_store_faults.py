@@ -1,0 +1,172 @@
+"""Store faults with real processes: a store server killed under a read workload, a client killed
+mid-put, a full store, a master restarted, the SSD tier spilling and serving back."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import pattern, wait_until
+from store_cluster import FAST, client, cluster, start_master, start_server, wait_servers
+
+from mooncake_connectors.errors import CapacityExceeded
+
+WORKER = Path(__file__).parents[1] / "tests" / "store_worker.py"
+KiB = 1024
+
+
+def test_killed_server_under_read_workload_loses_no_read_and_no_byte() -> None:
+    with cluster(3, "32M", tuple(FAST)) as (addr, servers, c, _):
+        data = {f"k{i}": pattern(i, [4096, 65537, 300_000][i % 3]).tobytes() for i in range(45)}
+        assert c.put_batch(list(data), list(data.values()), replicas=2) == [None] * 45
+        single = {f"s{i}": pattern(1000 + i, 5000).tobytes() for i in range(30)}
+        for k, v in single.items():  # one call each: successive calls rotate over servers
+            c.put(k, v)
+        reads, failures, corrupt = [0], [], []
+        stop = threading.Event()
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            with client(addr) as rc:
+                while not stop.is_set():
+                    key = rng.choice(list(data))
+                    got = rc.get(key)
+                    if got is None:
+                        failures.append(key)
+                    elif got != data[key]:
+                        corrupt.append(key)
+                    reads[0] += 1
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: reads[0] >= 150, 60, "reads before the kill")
+            servers[0].kill()
+            killed_at = reads[0]
+            wait_until(lambda: c.stats()["servers"] == 2, 20, "the master to drop the server")
+            wait_until(lambda: reads[0] >= killed_at + 300, 60, "reads after the kill")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not failures and not corrupt, (failures[:5], corrupt[:5])
+        # Objects whose only copy was on the dead server are misses, answered at once.
+        t0 = time.monotonic()
+        got = c.get_batch(list(single))
+        assert time.monotonic() - t0 < 2.0
+        lost = [k for k, v in zip(single, got, strict=True) if v is None]
+        assert lost and all(v == single[k] for k, v in zip(single, got, strict=True) if v)
+        assert c.get_batch(list(data)) == list(data.values())
+
+
+def test_client_killed_mid_put_leaves_nothing_visible_and_no_leak() -> None:
+    with cluster(1, "16M", tuple(FAST)) as (addr, _, c, _):
+        base = c.stats()["used_bytes"]
+        p = subprocess.Popen(
+            [sys.executable, str(WORKER), addr, "0", "hang", "1"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert p.stdout is not None
+            line = json.loads(p.stdout.readline())
+            assert line == {"allocated": True, "reply": "Allocs"}
+            st = c.stats()
+            assert st["pending_puts"] == 1 and st["used_bytes"] >= base + (1 << 20)
+            assert not c.exists("dying-put") and c.get("dying-put") is None
+        finally:
+            p.kill()
+            p.wait(timeout=10)
+        wait_until(
+            lambda: c.stats()["pending_puts"] == 0 and c.stats()["used_bytes"] == base,
+            15,
+            "the dead client's allocation to be reclaimed",
+        )
+        assert not c.exists("dying-put")
+        c.put("dying-put", b"fresh")
+        assert c.get("dying-put") == b"fresh"
+
+
+def test_full_store_is_a_clear_error_and_eviction_makes_room() -> None:
+    with cluster(1, "4M", tuple(FAST)) as (_, _, c, _):
+        v = pattern(3, 512 * KiB)
+        pinned = 0
+        with pytest.raises(CapacityExceeded, match="no room"):
+            for i in range(20):
+                c.put(f"pin{i}", v, hard_pin=True)
+                pinned += 1
+        assert 6 <= pinned <= 8
+        assert c.remove_all() == pinned
+        for i in range(24):  # 12 MiB through a 4 MiB store: eviction runs
+            c.put(f"k{i}", v)
+            if i == 20:
+                assert c.get("k20") == v.tobytes()  # leased now: must survive what follows
+        st = c.stats()
+        assert st["evictions"] >= 16 and st["used_bytes"] <= st["capacity_bytes"]
+        assert c.get("k0") is None  # least recently used went first
+        assert c.get("k20") == v.tobytes() and c.get("k23") == v.tobytes()
+
+
+def test_restarted_master_rebuilds_from_the_servers() -> None:
+    m, addr = start_master(*FAST)
+    port = int(addr.rsplit(":", 1)[1])
+    servers = [start_server(addr, "16M") for _ in range(2)]
+    try:
+        with client(addr, timeout=20) as c:
+            wait_servers(c, 2)
+            data = {f"r{i}": pattern(i, 3000 + i).tobytes() for i in range(30)}
+            for i, (k, v) in enumerate(data.items()):
+                c.put(k, v, replicas=1 + i % 2)
+            wait_until(lambda: c.stats()["holdings_unsent"] == 0, 10, "holdings to reach servers")
+            m.kill()
+            m, _ = start_master(*FAST, port=port)
+            wait_servers(c, 2)
+            assert c.get_batch(list(data)) == list(data.values())
+            c.put("after", b"ok")
+            assert c.get("after") == b"ok"
+    finally:
+        for s in servers:
+            s.close()
+        m.close()
+
+
+def test_ssd_tier_spills_serves_back_and_keeps_its_budget(tmp_path: Path) -> None:
+    m, addr = start_master(*FAST)
+    ssd = tmp_path / "ssd"
+    s = start_server(addr, "2M", "--ssd-dir", str(ssd), "--ssd-size", "4M")
+    try:
+        with client(addr) as c:
+            wait_servers(c, 1)
+            vals = {f"d{i}": pattern(i, 256 * KiB).tobytes() for i in range(20)}
+            for k, v in vals.items():  # 5 MiB into 2 MiB of memory + 4 MiB of SSD
+                c.put(k, v)
+            wait_until(lambda: c.stats()["spilling"] == 0, 10, "spills to finish")
+            st = c.stats()
+            assert st["spills"] >= 12 and 0 < st["ssd_used_bytes"] <= 4 << 20
+            assert c.get_batch(list(vals)) == list(vals.values())  # every byte, some from SSD
+            disk = sum(p.stat().st_size for p in ssd.glob("*.obj"))
+            assert 0 < disk <= 4 << 20
+            more = {f"e{i}": pattern(100 + i, 256 * KiB).tobytes() for i in range(20)}
+
+            def put(k: str) -> bool:
+                try:
+                    c.put(k, more[k])
+                except CapacityExceeded:  # every object left in memory is leased by our reads
+                    return False
+                return True
+
+            for k in more:
+                wait_until(lambda k=k: put(k), 10, "the read leases to end")
+            wait_until(lambda: c.stats()["spilling"] == 0, 10, "spills to finish")
+            assert sum(p.stat().st_size for p in ssd.glob("*.obj")) <= 4 << 20
+            assert c.stats()["ssd_drops"] > 0
+            assert c.get("d0") is None  # the oldest spilled object made room
+            assert c.get("e19") == more["e19"]
+    finally:
+        s.close()
+        m.close()

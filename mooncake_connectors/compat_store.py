@@ -1,0 +1,300 @@
+"""``MooncakeDistributedStore`` with Mooncake 0.3.13's Python API, over our store.
+
+    # from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    from mooncake_connectors.compat import MooncakeDistributedStore, ReplicateConfig
+
+Same method names, argument order and return conventions as Mooncake 0.3.13 (checked against the
+wheel): ints are 0 or a negative Mooncake error code (-200 no space, -600 invalid argument, -704
+not found, -800 transfer failed, -900 no master); ``get``/``get_batch`` return ``b""`` for a miss;
+``get_into``/``batch_get_into`` return the bytes read; ``is_exist`` 1/0/-1; ``remove_all`` the
+number removed; a put of an existing key returns 0 and keeps the stored value (as Mooncake does).
+Two deliberate differences: a value of 0 bytes can be stored (Mooncake refuses it with -600), and
+``remove`` of a key a reader just leased succeeds — the key disappears at once and its memory is
+reused when the lease ends (Mooncake answers -706 until the lease expires).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ConfigError, MasterUnavailable, MooncakeConnectorsError, ObjectExists
+
+log = logging.getLogger(__name__)
+
+OK = 0
+NO_SPACE = -200
+INVALID_PARAMS = -600
+NOT_FOUND = -704
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+INTERNAL_ERROR = -1
+
+
+class SoftPinAction(enum.IntEnum):
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ReplicateConfig:
+    """Mooncake's per-put options (the attributes our store uses are honoured)."""
+
+    def __init__(self) -> None:
+        self.replica_num = 1
+        self.with_hard_pin = False
+        self.with_soft_pin = False  # Mooncake < 0.3.13 spelling
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms: int | None = None
+        self.preferred_segment = ""
+        self.preferred_segments: list[str] = []
+        self.prefer_alloc_in_same_node = False
+        self.nof_replica_num = 0
+        self.dfs_replica_num = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin},"
+            f" soft_pin={self._soft()}, preferred_segment={self._preferred()!r})"
+        )
+
+    def _soft(self) -> bool:
+        return bool(self.with_soft_pin) or self.soft_pin_action == SoftPinAction.ENABLE
+
+    def _preferred(self) -> str:
+        return self.preferred_segment or (self.preferred_segments or [""])[0]
+
+
+def _code(err: MooncakeConnectorsError | None) -> int:
+    if err is None:
+        return OK
+    if isinstance(err, ObjectExists):
+        return OK  # Mooncake reports success and keeps the stored value
+    if isinstance(err, MasterUnavailable):
+        return RPC_FAIL
+    code = err.fields.get("code")
+    if isinstance(code, int) and code < 0:
+        return code
+    if isinstance(err, ConfigError):
+        return INVALID_PARAMS
+    return INTERNAL_ERROR
+
+
+def _metadata(metadata_server: str) -> str | None:
+    """Mooncake's metadata_server forms, as the engine facade reads them (None: the master's)."""
+    m = metadata_server.strip()
+    if not m:
+        return None
+    if m.upper() == "P2PHANDSHAKE":
+        return "p2p"
+    if m.startswith(("http://", "etcd://", "memory")):
+        return m
+    return f"etcd://{m}"  # Mooncake treats a bare HOST:PORT as an etcd endpoint
+
+
+class MooncakeDistributedStore:
+    """Mooncake's ``mooncake.store.MooncakeDistributedStore`` over our client."""
+
+    def __init__(self) -> None:
+        self._client: Any = None
+
+    def _fail(self, what: str, exc: BaseException) -> int:
+        log.error("%s failed: %s", what, exc)
+        return _code(exc) if isinstance(exc, MooncakeConnectorsError) else INTERNAL_ERROR
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+        protocol, rdma_devices, master_server_addr, engine=None, ...)`` or ``setup(dict)``."""
+        if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+            conf = dict(args[0])
+        else:
+            names = [
+                "local_hostname",
+                "metadata_server",
+                "global_segment_size",
+                "local_buffer_size",
+                "protocol",
+                "rdma_devices",
+                "master_server_addr",
+                "engine",
+            ]
+            if len(args) > len(names):
+                return self._fail("setup", TypeError("too many positional arguments"))
+            conf = dict(zip(names, args, strict=False))
+            conf.update(kwargs)
+        if self._client is not None:
+            return self._fail("setup", RuntimeError("already set up"))
+        try:
+            from .store.client import StoreClient
+            from .store.config import ClientConfig
+
+            if str(conf.get("protocol", "tcp")).lower() != "tcp":
+                raise ConfigError(f"protocol {conf.get('protocol')!r}: only 'tcp' is supported")
+            host = str(conf.get("local_hostname") or "127.0.0.1").rpartition(":")
+            hostname = (host[0] or host[2]) if host[2].isdigit() else "".join(host)
+            cfg = ClientConfig(
+                master=str(conf.get("master_server_addr") or "127.0.0.1:50051"),
+                host="127.0.0.1" if hostname in ("", "localhost") else hostname,
+                global_segment_size=int(conf.get("global_segment_size", 16 << 20)),
+                local_buffer_size=max(4096, int(conf.get("local_buffer_size", 16 << 20))),
+                metadata=_metadata(str(conf.get("metadata_server") or "")),
+            )
+            self._client = StoreClient(cfg).start()
+        except (MooncakeConnectorsError, ValueError, OSError, TypeError) as exc:
+            self._client = None
+            return self._fail("setup", exc)
+        return OK
+
+    @property
+    def client(self) -> Any:
+        """Our StoreClient underneath (for code that wants the richer API)."""
+        if self._client is None:
+            raise MooncakeConnectorsError("MooncakeDistributedStore is not set up")
+        return self._client
+
+    def get_hostname(self) -> str:
+        return str(self.client.local_segment or self.client.engine.segment_name)
+
+    def close(self) -> int:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        return OK
+
+    # -- buffers ----------------------------------------------------------------------------
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        try:
+            self.client.register_buffer(int(buffer_ptr), int(size))
+        except MooncakeConnectorsError as exc:
+            log.error("register_buffer failed: %s", exc)
+            return INVALID_PARAMS
+        return OK
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        try:
+            self.client.unregister_buffer(int(buffer_ptr))
+        except MooncakeConnectorsError as exc:
+            log.error("unregister_buffer failed: %s", exc)
+            return INVALID_PARAMS
+        return OK
+
+    # -- puts -------------------------------------------------------------------------------
+    @staticmethod
+    def _opts(config: ReplicateConfig | None) -> dict[str, Any]:
+        if config is None:
+            return {}
+        return {
+            "replicas": max(1, int(getattr(config, "replica_num", 1) or 1)),
+            "hard_pin": bool(getattr(config, "with_hard_pin", False)),
+            "soft_pin": config._soft()
+            if isinstance(config, ReplicateConfig)
+            else bool(getattr(config, "with_soft_pin", False)),
+            "preferred_segment": config._preferred()
+            if isinstance(config, ReplicateConfig)
+            else str(getattr(config, "preferred_segment", "") or ""),
+        }
+
+    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        try:
+            return _code(self.client.put_batch([key], [value], **self._opts(config))[0])
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            return self._fail("put", exc)
+
+    def put_batch(
+        self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None
+    ) -> int:
+        try:
+            errs = self.client.put_batch(list(keys), list(values), **self._opts(config))
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            return self._fail("put_batch", exc)
+        return next((c for c in map(_code, errs) if c), OK)
+
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
+        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffer_ptrs: Sequence[int],
+        sizes: Sequence[int],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        try:
+            errs = self.client.batch_put_from(
+                list(keys), list(buffer_ptrs), list(sizes), **self._opts(config)
+            )
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            return [self._fail("batch_put_from", exc)] * len(keys)
+        return [_code(e) for e in errs]
+
+    # -- gets -------------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        try:
+            return [v if v is not None else b"" for v in self.client.get_batch(list(keys))]
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            self._fail("get_batch", exc)
+            return [b""] * len(keys)
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
+
+    def batch_get_into(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        try:
+            out = self.client.batch_get_into(list(keys), list(buffer_ptrs), list(sizes))
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            return [self._fail("batch_get_into", exc)] * len(keys)
+        return [NOT_FOUND if v is None else v if isinstance(v, int) else _code(v) for v in out]
+
+    def get_size(self, key: str) -> int:
+        try:
+            loc = self.client._lookup([key], self.client._deadline())[0]
+        except MooncakeConnectorsError as exc:
+            return self._fail("get_size", exc)
+        return NOT_FOUND if loc is None else int(loc.size)
+
+    # -- the rest ---------------------------------------------------------------------------
+    def is_exist(self, key: str) -> int:
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        try:
+            return [int(b) for b in self.client.batch_exists(list(keys))]
+        except MooncakeConnectorsError as exc:
+            self._fail("batch_is_exist", exc)
+            return [-1] * len(keys)
+
+    def remove(self, key: str, force: bool = False) -> int:
+        try:
+            return OK if self.client.remove(key, force=force) else NOT_FOUND
+        except MooncakeConnectorsError as exc:
+            return self._fail("remove", exc)
+
+    def remove_all(self, force: bool = False) -> int:
+        try:
+            return int(self.client.remove_all(force=force))
+        except MooncakeConnectorsError as exc:
+            return self._fail("remove_all", exc)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # never raise from a finalizer
+            log.debug("closing MooncakeDistributedStore: %s", exc)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"mooncake_connectors.compat.MooncakeDistributedStore has no {name!r}; supported: "
+            "setup, put, get, put_batch, get_batch, put_from, get_into, batch_put_from, "
+            "batch_get_into, is_exist, batch_is_exist, get_size, remove, remove_all, "
+            "register_buffer, unregister_buffer, get_hostname, close"
+        )

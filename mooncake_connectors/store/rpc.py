@@ -1,0 +1,436 @@
+"""Framed request/response over TCP: a one-thread selector server and a blocking channel.
+
+Why not pyzmq: measured on the project's 2-core machine, a pyzmq DEALER/ROUTER round trip
+between two Python processes took ~200 µs (the I/O threads add two thread hops per message),
+a plain TCP socket ~42 µs. A 4 KiB put is two round trips, so the control plane speaks length-
+prefixed msgspec frames (:mod:`.protocol`) on plain sockets: the server is one thread with a
+selector (its handler owns all state, no locks), a client blocks on its own socket with a deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ..config import is_loopback
+from ..errors import ProtocolError
+from .config import split_hostport
+from .protocol import (
+    FLAG_NOTIFY,
+    FLAG_PUSH,
+    HEADER,
+    MAGIC,
+    PREFIX,
+    PROTOCOL_VERSION,
+    Code,
+    Err,
+    Msg,
+    frame,
+    reply_decoder,
+    request_decoder,
+)
+
+log = logging.getLogger(__name__)
+_HDR = PREFIX.size + HEADER.size
+_RECV = 65536  # below malloc's mmap threshold: a 1 MiB recv buffer costs an mmap per call
+
+
+def unix_name(host: str, port: int) -> str:
+    return f"\0mooncake-connectors-store-{host}:{port}"
+
+
+def _connect_unix(host: str, port: int, timeout: float) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(unix_name(host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+class Conn:
+    """One accepted connection of a FrameServer."""
+
+    __slots__ = ("__weakref__", "closed", "closing", "data", "peer", "rbuf", "sock", "wbuf")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()
+        self.closed = False
+        self.closing = False  # close once wbuf is flushed
+        self.data: Any = None  # what the handler attaches (e.g. the server record)
+
+
+Handler = Callable[[Conn, Msg, int], "Msg | None"]
+
+
+class FrameServer:
+    """Accepts connections and calls ``handler(conn, request, flags)`` in its one thread.
+
+    ``tick()`` runs between events and returns the seconds until it wants to run again.
+    ``on_close(conn)`` runs when a connection goes. ``push(conn, msg)`` (loop thread only) sends
+    an unsolicited frame. ``call_soon(fn)`` runs ``fn`` in the loop thread (any thread may call).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        tick: Callable[[], float] | None = None,
+        on_close: Callable[[Conn], None] | None = None,
+        max_frame: int = 64 << 20,
+        name: str = "mc-store-rpc",
+    ) -> None:
+        self.handler = handler
+        self.tick = tick
+        self.on_close = on_close
+        self.max_frame = max_frame
+        self.name = name
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self._listener.setblocking(False)
+        self.host = host
+        self.port: int = self._listener.getsockname()[1]
+        # Loopback peers may use an abstract unix socket named after the TCP address: no TCP
+        # stack on the way (measured ~10-20 % less per round trip than loopback TCP here).
+        self._unix: socket.socket | None = None
+        if is_loopback(host):
+            try:
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                u.bind(unix_name(host, self.port))
+                u.listen(128)
+                u.setblocking(False)
+                self._unix = u
+            except OSError as exc:  # taken, or no abstract namespace: TCP only
+                log.debug("no unix listener for port %d: %s", self.port, exc)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.conns: set[Conn] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> FrameServer:
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        if self._unix is not None:
+            self._sel.register(self._unix, selectors.EVENT_READ, "unix")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self._calls.append(fn)
+        with contextlib.suppress(OSError):  # stopping
+            self._wake_w.send(b"x")
+
+    def stop(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    # -- loop -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                timeout = self.tick() if self.tick is not None else 0.5
+                for key, mask in self._sel.select(max(0.0, min(timeout, 0.5))):
+                    if key.data is None:
+                        self._accept(self._listener)
+                    elif key.data == "unix":
+                        self._accept(self._unix)  # type: ignore[arg-type]
+                    elif key.data == "wake":
+                        self._drain_wake()
+                    else:
+                        conn: Conn = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                        if mask & selectors.EVENT_WRITE and not conn.closed:
+                            self._flush(conn)
+        except Exception:
+            log.exception("%s loop crashed", self.name)
+            raise
+        finally:
+            for conn in list(self.conns):
+                self._close(conn)
+            self._sel.close()
+            self._listener.close()
+            if self._unix is not None:
+                self._unix.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._calls:
+            self._calls.popleft()()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, addr = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # EMFILE and the like: keep serving who we have
+                log.warning("%s: accept failed: %s", self.name, exc)
+                return
+            sock.setblocking(False)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                peer = f"{addr[0]}:{addr[1]}"
+            else:
+                peer = "unix"
+            conn = Conn(sock, peer)
+            self.conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        buf = conn.rbuf
+        buf += data
+        pos = 0
+        n = len(buf)
+        while n - pos >= PREFIX.size and not conn.closing:
+            (length,) = PREFIX.unpack_from(buf, pos)
+            if length > self.max_frame or length < HEADER.size:
+                self._refuse(conn, f"frame of {length} bytes refused (limit {self.max_frame})")
+                return
+            end = pos + PREFIX.size + length
+            if end > n:
+                break
+            magic, version, flags, req_id = HEADER.unpack_from(buf, pos + PREFIX.size)
+            body = memoryview(buf)[pos + _HDR : end]
+            pos = end
+            if magic != MAGIC:
+                body.release()
+                self._refuse(conn, "not a mooncake-connectors store frame (bad magic)")
+                return
+            self._dispatch(conn, version, flags, req_id, body)
+        if pos:
+            del buf[:pos]
+
+    def _dispatch(self, conn: Conn, version: int, flags: int, req_id: int, body: Any) -> None:
+        reply: Msg | None
+        try:
+            if version != PROTOCOL_VERSION:
+                reply = Err(
+                    int(Code.PROTOCOL),
+                    f"unsupported protocol version {version}; this peer speaks {PROTOCOL_VERSION}",
+                )
+            else:
+                try:
+                    msg = request_decoder.decode(body)
+                except msgspec.ValidationError as exc:
+                    reply = Err(int(Code.INVALID), f"invalid request: {exc}")
+                except msgspec.DecodeError as exc:
+                    reply = Err(int(Code.PROTOCOL), f"malformed request: {exc}")
+                else:
+                    reply = self.handler(conn, msg, flags)
+        except Exception as exc:  # a handler bug must not take the service down
+            log.exception("%s: handler failed", self.name)
+            reply = Err(int(Code.INTERNAL), f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            body.release()
+        if reply is not None and not flags & FLAG_NOTIFY:
+            self.send(conn, frame(reply, req_id))
+
+    def _refuse(self, conn: Conn, why: str) -> None:
+        log.info("%s: %s from %s; closing it", self.name, why, conn.peer)
+        self.send(conn, frame(Err(int(Code.PROTOCOL), why), 0))
+        conn.closing = True
+        conn.rbuf.clear()
+        if not conn.wbuf:
+            self._close(conn)
+
+    def push(self, conn: Conn, msg: Msg) -> None:
+        self.send(conn, frame(msg, 0, FLAG_PUSH))
+
+    def send(self, conn: Conn, data: bytes) -> None:
+        if conn.closed:
+            return
+        if conn.wbuf:
+            conn.wbuf += data
+            return
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        if sent < len(data):
+            conn.wbuf += data[sent:]
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _flush(self, conn: Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.wbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        del conn.wbuf[:sent]
+        if not conn.wbuf:
+            if conn.closing:
+                self._close(conn)
+            else:
+                self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _close(self, conn: Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self.conns.discard(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
+        if self.on_close is not None:
+            try:
+                self.on_close(conn)
+            except Exception:
+                log.exception("%s: on_close failed", self.name)
+
+
+class Channel:
+    """A blocking client connection; ``call`` waits for the reply with a deadline.
+
+    Not thread-safe: use one per thread. Frames the peer pushes while a call waits are kept in
+    ``pushes``. Raises TimeoutError (deadline), ConnectionError (peer gone) or ProtocolError.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, address: str, timeout: float) -> None:
+        host, port = split_hostport(address)
+        self.address = address
+        sock = _connect_unix(host, port, timeout) if is_loopback(host) else None
+        if sock is None:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock: socket.socket = sock
+        self.rbuf = bytearray()
+        self.pushes: collections.deque[Msg] = collections.deque()
+        self.closed = False
+
+    def call(self, msg: Msg, timeout: float) -> Msg:
+        rid = next(self._ids)
+        deadline = time.monotonic() + timeout
+        self._send(frame(msg, rid), timeout)
+        while True:
+            got = self._read_frame(deadline)
+            if got is None:
+                raise TimeoutError(f"no reply from {self.address} within {timeout:.3g}s")
+            r_id, flags, reply = got
+            if flags & FLAG_PUSH:
+                self.pushes.append(reply)
+            elif r_id == rid:
+                return reply
+            elif r_id == 0 and isinstance(reply, Err):
+                raise ProtocolError(reply.message, peer=self.address)
+            # else: a late reply to an abandoned call; drop it
+
+    def notify(self, msg: Msg, timeout: float = 5.0) -> None:
+        self._send(frame(msg, next(self._ids), FLAG_NOTIFY), timeout)
+
+    def poll_push(self, timeout: float) -> Msg | None:
+        """The next pushed message, waiting at most ``timeout`` seconds."""
+        if self.pushes:
+            return self.pushes.popleft()
+        got = self._read_frame(time.monotonic() + timeout)
+        if got is None:
+            return None
+        _, flags, msg = got
+        if flags & FLAG_PUSH:
+            return msg
+        return None
+
+    def _send(self, data: bytes, timeout: float) -> None:
+        if self.closed:
+            raise ConnectionError(f"channel to {self.address} is closed")
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:
+            self.close()
+            raise ConnectionError(f"send to {self.address} failed: {exc}") from exc
+
+    def _read_frame(self, deadline: float) -> tuple[int, int, Msg] | None:
+        buf = self.rbuf
+        while True:
+            if len(buf) >= _HDR:
+                (length,) = PREFIX.unpack_from(buf, 0)
+                end = PREFIX.size + length
+                if len(buf) >= end:
+                    magic, version, flags, rid = HEADER.unpack_from(buf, PREFIX.size)
+                    if magic != MAGIC or version != PROTOCOL_VERSION:
+                        self.close()
+                        raise ProtocolError(
+                            f"{self.address} answered with a foreign frame (version {version})",
+                            peer=self.address,
+                        )
+                    try:
+                        msg = reply_decoder.decode(memoryview(buf)[_HDR:end])
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        self.close()
+                        raise ProtocolError(
+                            f"undecodable reply from {self.address}: {exc}", peer=self.address
+                        ) from exc
+                    del buf[:end]
+                    return rid, flags, msg
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(_RECV)
+            except TimeoutError:
+                return None
+            except OSError as exc:
+                self.close()
+                raise ConnectionError(f"connection to {self.address} failed: {exc}") from exc
+            if not data:
+                self.close()
+                raise ConnectionError(f"{self.address} closed the connection")
+            buf += data
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()

@@ -1,0 +1,256 @@
+"""The master's rules, driven directly with an explicit clock: allocation, replicas, leases,
+eviction, pins, TTL, put-lease expiry, dead servers, rebuild from re-reports."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake_connectors.store.allocator import ALIGN, RangeAllocator, aligned
+from mooncake_connectors.store.config import MasterConfig
+from mooncake_connectors.store.protocol import Code, Part, stripe_bounds
+from mooncake_connectors.store.records import HARD, SOFT
+from mooncake_connectors.store.recovery import collect
+from mooncake_connectors.store.state import MasterState
+
+MiB = 1 << 20
+
+
+# -- allocator ---------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 70000)), max_size=200))
+def test_allocator_never_overlaps_and_accounts(ops: list[tuple[bool, int]]) -> None:
+    a = RangeAllocator(1 * MiB)
+    live: dict[int, int] = {}
+    rng = random.Random(7)
+    for is_alloc, n in ops:
+        if is_alloc or not live:
+            off = a.alloc(n)
+            if off is None:
+                assert a.largest_free() < aligned(n)
+                continue
+            assert off % ALIGN == 0 and off + aligned(n) <= a.size
+            for o, m in live.items():
+                assert off + aligned(n) <= o or o + aligned(m) <= off, "overlap"
+            live[off] = n
+        else:
+            off = rng.choice(sorted(live))
+            a.release(off, live.pop(off))
+        assert a.used == sum(aligned(m) for m in live.values())
+    for off, n in list(live.items()):
+        a.release(off, n)
+    assert a.used == 0 and a.free_blocks() == 1 and a.largest_free() == a.size
+
+
+def test_allocator_best_fit_and_rebuild() -> None:
+    a = RangeAllocator(4096)
+    offs = [a.alloc(512) for _ in range(8)]
+    assert offs == [i * 512 for i in range(8)]
+    assert a.alloc(1) is None
+    a.release(512, 512)
+    a.release(2048, 512)
+    a.release(2560, 512)
+    assert a.alloc(400) == 512  # the smallest hole that fits
+    b = RangeAllocator.with_used(4096, [(0, 100), (1024, 1000), (4000, 500)])  # last is bogus
+    assert b.used == aligned(100) + aligned(1000)
+    assert b.alloc(800) == aligned(100)  # the hole between the two used ranges
+    assert b.alloc(900) == 2048
+
+
+def test_stripe_bounds_cover_the_value() -> None:
+    for size in (0, 1, 10, 4096, 10 * MiB + 7):
+        for nst in (1, 2, 3, 7):
+            b = stripe_bounds(size, nst)
+            assert len(b) == nst and sum(n for _, n in b) == size
+            assert all(off == i * b[0][1] or n == 0 for i, (off, n) in enumerate(b))
+
+
+# -- master state ------------------------------------------------------------------------------
+def make(n_servers: int = 2, seg: int = 1 * MiB, **cfg: object) -> MasterState:
+    s = MasterState(MasterConfig(port=0, **cfg), now=-100.0)  # type: ignore[arg-type]
+    for i in range(n_servers):
+        rec = s.server(f"srv{i}", None, 0.0)
+        s.mount(rec, f"seg{i}", (i + 1) << 32, seg, "host", "", 0, False)
+    return s
+
+
+def put(s: MasterState, key: str, size: int, now: float = 0.0, **kw: object) -> int:
+    nrep = int(kw.pop("nrep", 1))  # type: ignore[call-overload]
+    flags = int(kw.pop("flags", 0))  # type: ignore[call-overload]
+    ttl_ms = int(kw.pop("ttl_ms", 0))  # type: ignore[call-overload]
+    pid = random.getrandbits(40) + 1
+    codes, _ = s.put_start(pid, [key], [size], nrep, ttl_ms, flags, "", now)
+    if codes[0] != Code.OK:
+        return codes[0]
+    return s.put_end(pid, [key], [], now)[0]
+
+
+def test_replicas_land_on_distinct_servers_and_stripes_spread() -> None:
+    s = make(3, stripe_size=64 * 1024)
+    codes, stripes = s.put_start(1, ["k"], [200_000], 2, 0, 0, "", 0.0)
+    assert codes == [Code.OK]
+    assert len(stripes[0]) == 4  # 200000 / 64 KiB -> 4 stripes
+    for copies in stripes[0]:
+        assert len({seg for seg, _ in copies}) == 2  # two replicas, two servers
+    assert len({copies[0][0] for copies in stripes[0]}) > 1  # stripes spread over servers
+    assert s.put_end(1, ["k"], [], 0.0) == [Code.OK]
+    loc = s.get(["k"], 0.0)[0]
+    assert loc is not None and loc.size == 200_000 and all(len(c) == 2 for c in loc.stripes)
+
+
+def test_more_replicas_than_servers_is_best_effort() -> None:
+    s = make(2)
+    codes, stripes = s.put_start(1, ["k"], [10], 4, 0, 0, "", 0.0)
+    assert codes == [Code.OK] and len(stripes[0][0]) == 2
+
+
+def test_pending_puts_are_invisible_and_expire_without_leaking() -> None:
+    s = make(1, put_lease_ttl=2.0)
+    used0 = s.used()
+    codes, _ = s.put_start(5, ["k"], [100_000], 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK] and s.used() > used0
+    assert s.get(["k"], 0.0) == [None] and s.exists(["k"], 0.0) == [False]
+    assert s.put_start(6, ["k"], [10], 1, 0, 0, "", 1.0)[0] == [Code.EXISTS]  # being written
+    s.tick(2.5)
+    assert s.used() == used0 and not s.pending
+    assert s.put_end(5, ["k"], [], 3.0) == [Code.PUT_EXPIRED]
+    assert put(s, "k", 10, now=3.0) == Code.OK
+
+
+def test_lru_eviction_from_high_watermark_skips_leased_and_pinned() -> None:
+    s = make(1, seg=1 * MiB, high_watermark=0.9, low_watermark=0.5)
+    size = 64 * 1024
+    for i in range(14):  # 14 x 64 KiB = 87.5 %
+        assert put(s, f"k{i}", size, flags=HARD if i == 1 else SOFT if i == 2 else 0) == 0
+    s.get(["k0"], 0.0)  # leased and most recently used
+    assert put(s, "k14", size) == 0  # 93.75 % > high watermark
+    s.tick(0.1)
+    assert s.used() <= 0.5 * s.capacity()
+    left = {k for k in s.objects}
+    assert {"k0", "k1", "k2", "k14"} <= left  # leased, hard pin, soft pin, newest
+    assert "k3" not in left  # least recently used went first
+
+
+def test_full_store_evicts_lru_for_a_new_put_then_reports_no_space() -> None:
+    s = make(1, seg=256 * 1024)
+    for i in range(4):
+        assert put(s, f"k{i}", 64 * 1024) == 0
+    assert put(s, "new", 64 * 1024, now=1.0) == 0  # evicts k0
+    assert "k0" not in s.objects and s.counters["evictions"] == 1
+    for k in list(s.objects):
+        s.objects[k].meta |= HARD
+    assert put(s, "more", 64 * 1024, now=2.0) == Code.NO_SPACE
+    assert put(s, "huge", 2 * MiB, now=2.0) == Code.NO_SPACE  # larger than any segment
+
+
+def test_remove_of_a_leased_object_defers_the_free() -> None:
+    s = make(1)
+    assert put(s, "k", 100_000) == 0
+    used = s.used()
+    s.get(["k"], 0.0)  # lease until 5.0
+    assert s.remove(["k"], False, 1.0) == [Code.OK]
+    assert s.get(["k"], 1.0) == [None]
+    s.tick(2.0)
+    assert s.used() == used  # a reader may still be copying
+    s.tick(5.1)
+    assert s.used() < used
+    assert s.remove(["k"], False, 6.0) == [Code.NOT_FOUND]
+
+
+def test_ttl_expires_objects() -> None:
+    s = make(1)
+    assert put(s, "k", 10, ttl_ms=1500) == 0
+    assert s.exists(["k"], 1.0) == [True]
+    s.tick(1.6)
+    assert s.exists(["k"], 1.6) == [False]
+
+
+def test_dead_server_drops_its_copies_and_keeps_the_others() -> None:
+    s = make(2, server_ttl=2.0, heartbeat_interval=0.5)
+    assert put(s, "two", 10, nrep=2) == 0
+    assert put(s, "one", 10) == 0
+    seg_one = s.get(["one"], 0.0)[0].stripes[0][0][0]  # type: ignore[union-attr]
+    for rec in s.servers.values():
+        rec.last_seen = 10.0 if rec.segments[0].name != seg_one else 0.0
+    s.tick(10.0)
+    assert s.counters["servers_lost"] == 1
+    assert s.get(["one"], 10.0) == [None]  # its only copy is gone: a miss
+    loc = s.get(["two"], 10.0)[0]
+    assert loc is not None and len(loc.stripes[0]) == 1
+
+
+def test_rebuild_from_reports() -> None:
+    s = make(2, stripe_size=64 * 1024)
+    assert put(s, "a", 100_000, nrep=2) == 0
+    assert put(s, "b", 10) == 0
+    # What the servers were told they hold:
+    parts: dict[str, list[Part]] = {}
+    for rec in s.servers.values():
+        parts[rec.client_id] = [p for p in rec.ops if isinstance(p, Part)]
+    fresh = MasterState(MasterConfig(port=0), now=0.0)  # a new leader
+    for i, (cid, ps) in enumerate(sorted(parts.items())):
+        rec = fresh.server(cid, None, 0.0)
+        fresh.mount(rec, f"seg{i}", (i + 1) << 32, 1 * MiB, "host", "", 0, True)
+        collect(fresh, rec, ps, True, 0.0)
+    la, lb = fresh.get(["a", "b"], 0.0)
+    assert la is not None and lb is not None
+    assert la.stripes == s.get(["a"], 0.0)[0].stripes  # type: ignore[union-attr]
+    assert fresh.used() == s.used()
+    assert fresh.put_start(9, ["a"], [5], 1, 0, 0, "", 0.0)[0] == [Code.EXISTS]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_remove_all(n: int) -> None:
+    s = make(n)
+    for i in range(10):
+        assert put(s, f"k{i}", 1000, flags=HARD) == 0
+    assert s.remove_all(False, 0.0) == 10
+    assert not s.objects and s.used() == 0
+
+
+def test_staging_takes_no_buffer_for_nothing_and_reuses_its_memory() -> None:
+    from mooncake_connectors.config import EngineConfig
+    from mooncake_connectors.store.staging import SLOT, Staging
+    from mooncake_connectors.transfer_core import TransferEngine
+
+    with TransferEngine(EngineConfig(metadata="memory://staging")) as engine:
+        st = Staging(engine, 4 * MiB)
+        epoch = engine.local.epoch
+        with st.stage([]) as none:
+            assert none == []
+        with st.stage([100]) as (a,), st.stage([SLOT + 1, 0, 10]) as many:
+            assert a != many[0] and many[1] - many[0] >= SLOT + 1
+        with st.stage([8 * MiB]) as (big,):  # does not fit: a temporary registered buffer
+            assert engine.local.find(big, 8 * MiB) is not None
+        assert engine.local.find(big, 1) is None
+        with st.stage([1 * MiB]):
+            pass
+        assert engine.local.epoch == epoch + 2  # only the temporary buffer came and went
+
+
+def test_coalesce_merges_only_exact_neighbours() -> None:
+    from mooncake_connectors.store.coalesce import coalesce
+    from mooncake_connectors.transfer_core.engine import TransferRequest
+    from mooncake_connectors.types import TransferOp
+
+    R = TransferOp.READ
+    reqs = [TransferRequest(R, "a", 1000 + 100 * i, 5000 + 100 * i, 100) for i in (2, 0, 1)] + [
+        TransferRequest(R, "b", 1300, 5300, 100),  # another segment
+        TransferRequest(R, "a", 1400, 5300, 100),  # local side not adjacent to the run
+        TransferRequest(R, "a", 1300, 5400, 50),  # remote gap
+    ]
+    out = coalesce(reqs)
+    assert TransferRequest(R, "a", 1000, 5000, 300) in out
+    assert len(out) == 4 and sum(r.length for r in out) == sum(r.length for r in reqs)
+
+
+def test_a_batch_lands_back_to_back() -> None:
+    s = make(2)
+    codes, stripes = s.put_start(1, [f"k{i}" for i in range(8)], [4096] * 8, 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK] * 8
+    addrs = [st[0][0] for st in stripes]
+    assert len({seg for seg, _ in addrs}) == 1
+    assert [a for _, a in addrs] == [addrs[0][1] + 4096 * i for i in range(8)]
