@@ -47,7 +47,9 @@ class SGLangExpertMaps:
             "physical_to_logical_map": self.physical_to_logical_map,
             "physical_to_logical_map_cpu": self.physical_to_logical_map.cpu(),
             "logical_to_all_physical_map": self.logical_to_all_physical_map,
+            "logical_to_all_physical_map_cpu": self.logical_to_all_physical_map.cpu(),
             "logical_to_all_physical_map_num_valid": self.logical_to_all_physical_map_num_valid,
+            "ep_size": int(self.active_ranks.numel()),  # one entry per EP rank
             "logical_to_rank_dispatch_physical_map": None,
         }
 
