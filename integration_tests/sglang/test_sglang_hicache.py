@@ -40,8 +40,10 @@ def _raw(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().view(torch.uint8).numpy().tobytes())  # random bf16 has NaNs
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [(k, lay) for k in ("mha", "mla") for lay in LAYOUTS] + [("mha", "page_head")],
+)
 def test_two_servers_share_pages_through_the_store(store: str, kind: str, layout: str) -> None:
     mla = kind == "mla"
     src_pool, dst_pool = make_pool(kind, layout), make_pool(kind, layout)

@@ -146,9 +146,9 @@ _SIZES = {"global_segment_size", "local_buffer_size", "staging_size"}
 _FLOATS = {"timeout", "rpc_timeout", "retry_interval", "log_interval"}
 
 
-def _convert(name: str, value: Any) -> Any:
-    """One extra-config value as the field's type, or ConfigError naming the key."""
-    bad = ConfigError(f"extra-config {name!r}: bad value {value!r}")
+def _convert(name: str, value: Any, source: str) -> Any:
+    """One value as field ``name``'s type, or a ConfigError naming where it came from."""
+    bad = ConfigError(f"{source}: bad value {value!r}")
     if name in _SIZES:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise bad
@@ -202,7 +202,7 @@ def from_extra_config(
             raise ConfigError(f"unknown extra-config key {key!r}; valid keys: {', '.join(valid)}")
         if name in values:
             raise ConfigError(f"extra-config gives {name!r} twice (as {key!r} and an alias)")
-        values[name] = _convert(key, value)
+        values[name] = _convert(name, value, f"extra-config {key!r}")
     if ignored:
         log.warning("extra-config keys of SGLang's Mooncake backend ignored here: %s", ignored)
 
@@ -212,7 +212,7 @@ def from_extra_config(
         for name in names:
             raw = env.get(name, "").strip()
             if raw:
-                values[field] = _convert(name, raw) if field in _SIZES else raw
+                values[field] = _convert(field, raw, f"environment variable {name}")
                 return
 
     from_env("master", "MOONCAKE_MASTER")
