@@ -365,13 +365,14 @@ class PageStore:
         self.counters.objects_missed += len(out) - hits
         return out
 
-    def remove_all(self) -> int | None:
-        """Remove every object in the store; how many, or None if the store did not answer."""
+    def remove_all(self, *, force: bool = False) -> int | None:
+        """Remove every object in the store; how many, or None if the store did not answer.
+        ``force`` also frees memory readers still hold a lease on (benchmarks between rounds)."""
         client = self._ready()
         if client is None:
             return None
         try:
-            return client.remove_all()
+            return client.remove_all(force=force)
         except (MooncakeConnectorsError, OSError) as exc:
             self._failed("clear", exc)
             return None
