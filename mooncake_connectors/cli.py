@@ -445,6 +445,45 @@ def bench_store_memory(
     typer.echo(json.dumps(run_memory_benchmark(keys=keys, key_len=key_len, batch=batch), indent=2))
 
 
+@bench_app.command("sglang")
+def bench_sglang(
+    rounds: Annotated[int, typer.Option(min=1, max=100, help="Measured rounds (+1 warm-up).")] = 3,
+    cases: Annotated[
+        str, typer.Option(help="Page geometries: small, llama8b, mla (comma-separated).")
+    ] = "small,llama8b,mla",
+    pages: Annotated[int, typer.Option(min=1, max=128, help="Pages per call.")] = 16,
+    memory: Annotated[str, typer.Option(help="Memory of each system's data owner.")] = "1G",
+    mooncake: Annotated[
+        bool, typer.Option(help="Also run SGLang's Mooncake backend when the wheel is installed.")
+    ] = True,
+    layer_first: Annotated[
+        bool, typer.Option(help="Also measure layer_first pools (ours only).")
+    ] = True,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """HiCache page batches through our SGLang backend and SGLang's Mooncake backend (needs
+    SGLang installed)."""
+    _setup_logging(verbose)
+    from .adapters.sglang.bench import run_sglang_benchmark
+
+    result = run_sglang_benchmark(
+        rounds=rounds,
+        cases=cases,
+        pages=pages,
+        memory=memory,
+        with_mooncake=mooncake,
+        with_layer_first=layer_first,
+    )
+    text = json.dumps(result, indent=2)
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text + "\n")
+    typer.echo(text)
+
+
 def main() -> None:
     try:
         app()
