@@ -260,6 +260,9 @@ class StoreGuard:
             waiter.cancel()
             claim.leave(fut)
             return self._overdue(op)
+        if waiter.cancelled():  # dropped from the queue by close()
+            self.counters["failed"] += 1
+            return FAILED
         exc = waiter.exception()
         return waiter.result() if exc is None else self._failure(op, exc)
 
@@ -272,6 +275,9 @@ class StoreGuard:
         if not done:
             fut.cancel()
             return self._overdue(op)
+        if fut.cancelled():  # dropped from the queue by close()
+            self.counters["failed"] += 1
+            return FAILED
         exc = fut.exception()
         return fut.result() if exc is None else self._failure(op, exc)
 
