@@ -39,7 +39,8 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-from ...store.config import parse_size
+from ...store.client import StoreClient
+from ...store.config import ClientConfig, parse_size
 
 TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128
@@ -90,6 +91,12 @@ class Stores:
         self.ours = f"127.0.0.1:{port}"
         args = [*cli, "store-server", "--master", self.ours, "--memory", str(memory)]
         quiet(args)
+        with StoreClient(ClientConfig(master=self.ours)) as probe:
+            end = time.monotonic() + 60
+            while probe.stats().get("servers", 0) < 1:
+                if time.monotonic() > end or self.procs[-1].poll() is not None:
+                    raise RuntimeError("our store server did not mount its memory")
+                time.sleep(0.05)
 
         rpc, metrics, http = _port(), _port(), _port()
         binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
