@@ -20,6 +20,10 @@ P = "remote_storage_plugin.mc."
 def test_defaults_without_config_or_environment() -> None:
     cfg = from_extra_config("mc", None, env={})
     assert cfg == PluginConfig()
+    assert from_extra_config("mc", {P + "transports": ["tcp", "shm"]}, env={}).transports == (
+        "tcp",
+        "shm",
+    )
     assert cfg.master == "127.0.0.1:50051" and cfg.layout is Layout.AUTO
     client = cfg.client_config()
     assert client.timeout == cfg.timeout and client.rpc_timeout <= cfg.timeout
@@ -32,6 +36,7 @@ def test_values_as_lmcache_passes_them_strings_or_typed() -> None:
         P + "class_name": "StoreConnector",
         P + "master": " 10.0.0.1:7000 ",
         P + "timeout": "1.5",
+        P + "transports": "tcp",
         P + "cooldown": 0,
         P + "workers": "8",
         P + "replicas": 2,
@@ -47,6 +52,7 @@ def test_values_as_lmcache_passes_them_strings_or_typed() -> None:
     cfg = from_extra_config("mc", extra, env={})
     assert cfg == PluginConfig(
         master="10.0.0.1:7000",
+        transports=("tcp",),
         timeout=1.5,
         cooldown=0.0,
         workers=8,
@@ -79,6 +85,9 @@ def test_unknown_key_is_an_error() -> None:
         ("register_buffer", "maybe"),
         ("master", "nohost"),
         ("host", ""),
+        ("transports", ""),
+        ("transports", "tcp,tcp"),
+        ("transports", 5),
         ("key_prefix", "a b"),
         ("local_buffer_size", "1K"),
         ("local_buffer_size", "lots"),

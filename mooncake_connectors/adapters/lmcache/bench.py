@@ -1,7 +1,8 @@
 """LMCache chunk put/get through our plugin versus LMCache's own ``mooncakestore`` connector.
 
     python -m mooncake_connectors.adapters.lmcache.bench [--chunks 256K,2M,8M] [--batch 8]
-        [--rounds 5] [--calls 4] [--memory 1G] [--modes zero-copy,metadata] [-o out.json]
+        [--rounds 5] [--calls 4] [--memory 1G] [--modes zero-copy,metadata]
+    [--ours-transports shm,tcp] [-o out.json]
 
 JSON on stdout. Both systems run as LMCache users run them: the store as processes (ours: a
 ``master`` and a ``store-server``; Mooncake's wheel: ``mooncake_master`` with its HTTP metadata
@@ -12,7 +13,9 @@ awaited here); a get is ``RemoteBackend.batched_get_blocking``. Each call moves 
 of real MemoryObjs; every get is checked for misses. Modes: ``zero-copy`` (ours layout raw,
 LMCache's connector ``save_chunk_meta: false``, both pass MemoryObj addresses) and ``metadata``
 (ours layout framed, LMCache's ``save_chunk_meta: true``, both store a header and copy).
-Rounds interleave the two systems so machine noise hits both alike.
+Rounds interleave the two systems so machine noise hits both alike. Mooncake's wheel moves data
+over TCP here (``protocol: tcp``); ours uses shared memory for a store server on the same host
+unless ``--ours-transports tcp``.
 """
 
 from __future__ import annotations
@@ -148,7 +151,7 @@ class Stores:
                     p.wait(10)
 
 
-def _config(system: str, mode: str, stores: Stores, cpu_gib: float) -> Any:
+def _config(system: str, mode: str, stores: Stores, cpu_gib: float, transports: str) -> Any:
     zero_copy = mode == "zero-copy"
     if system == "ours":
         extra: dict[str, Any] = {
@@ -158,6 +161,7 @@ def _config(system: str, mode: str, stores: Stores, cpu_gib: float) -> Any:
             f"remote_storage_plugin.{PLUGIN}.layout": "raw" if zero_copy else "framed",
             f"remote_storage_plugin.{PLUGIN}.timeout": 30,
             f"remote_storage_plugin.{PLUGIN}.local_buffer_size": "256M",
+            f"remote_storage_plugin.{PLUGIN}.transports": transports,
         }
         plugin = PLUGIN
     else:
@@ -188,7 +192,9 @@ def _config(system: str, mode: str, stores: Stores, cpu_gib: float) -> Any:
 class System:
     """One LMCache StorageManager whose remote backend is one system's connector."""
 
-    def __init__(self, name: str, mode: str, stores: Stores, layers: int, cpu_gib: float):
+    def __init__(
+        self, name: str, mode: str, stores: Stores, layers: int, cpu_gib: float, transports: str
+    ):
         self.name = name
         meta = LMCacheMetadata(
             model_name="bench",
@@ -200,7 +206,8 @@ class System:
             kv_shape=(layers, 2, TOKENS, 1, HEAD_SIZE),
             chunk_size=TOKENS,
         )
-        self.sm = StorageManager(_config(name, mode, stores, cpu_gib), meta, EventManager())
+        config = _config(name, mode, stores, cpu_gib, transports)
+        self.sm = StorageManager(config, meta, EventManager())
         plugin = PLUGIN if name == "ours" else "mooncakestore"
         self.backend = self.sm.storage_backends[f"RemoteBackend-{plugin}"]
         if self.backend.connection is None:
@@ -274,7 +281,13 @@ def _summary(lat: list[float], chunk_bytes: int, batch: int) -> dict[str, float]
 
 
 def run(
-    chunks: list[int], batch: int, rounds: int, calls: int, memory: int, modes: list[str]
+    chunks: list[int],
+    batch: int,
+    rounds: int,
+    calls: int,
+    memory: int,
+    modes: list[str],
+    transports: str = "shm,tcp",
 ) -> dict[str, Any]:
     stores = Stores(memory)
     cases = []
@@ -286,7 +299,10 @@ def run(
             cpu_gib = max(0.1, 2.5 * batch * chunk_bytes / 2**30)
             fill = np.random.default_rng(chunk_bytes).integers(0, 256, chunk_bytes, np.uint8)
             for mode in modes:
-                systems = [System(n, mode, stores, layers, cpu_gib) for n in ("ours", "lmcache")]
+                systems = [
+                    System(n, mode, stores, layers, cpu_gib, transports)
+                    for n in ("ours", "lmcache")
+                ]
                 lat: dict[tuple[str, str], list[float]] = {}
                 try:
                     for r in range(rounds + 1):  # round 0 warms up
@@ -322,7 +338,13 @@ def run(
         stores.close()
     return {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "settings": {"chunk_tokens": TOKENS, "rounds": rounds, "calls_per_round": calls},
+        "settings": {
+            "chunk_tokens": TOKENS,
+            "rounds": rounds,
+            "calls_per_round": calls,
+            "ours_transports": transports,
+            "mooncake_protocol": "tcp",
+        },
         "cases": cases,
     }
 
@@ -335,6 +357,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=4, help="put+get calls per round and system")
     ap.add_argument("--memory", default="1G", help="memory of each store's data owner")
     ap.add_argument("--modes", default="zero-copy,metadata")
+    ap.add_argument(
+        "--ours-transports",
+        default="shm,tcp",
+        help="our client's transports (tcp alone matches Mooncake's tcp protocol)",
+    )
     ap.add_argument("-o", "--output", help="also write the JSON here")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -347,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         a.calls,
         parse_size(a.memory),
         modes,
+        a.ours_transports,
     )
     text = json.dumps(result, indent=2)
     if a.output:

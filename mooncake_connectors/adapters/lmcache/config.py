@@ -60,6 +60,8 @@ class PluginConfig:
 
     master: the store's master, ``HOST:PORT`` or ``etcd://HOST:PORT[,…]/PREFIX``.
     host: the address this process's transfer engine binds and advertises.
+    transports: transports the client may use, in preference order (``shm`` reaches store
+        servers on this host through shared memory, ``tcp`` any server).
     timeout: deadline of one store call (seconds); past it the call answers as a miss.
     cooldown: after a store-level failure (master unreachable, call past its deadline) calls
         answer as misses at once for this many seconds, then the next call probes the store.
@@ -75,6 +77,7 @@ class PluginConfig:
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
     host: str = "127.0.0.1"
+    transports: tuple[str, ...] = ("shm", "tcp")
     timeout: float = 2.0
     cooldown: float = 1.0
     workers: int = 4
@@ -90,6 +93,8 @@ class PluginConfig:
         check_master_address(self.master)
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be a host name or address, got {self.host!r}")
+        if not self.transports or len(set(self.transports)) != len(self.transports):
+            raise ConfigError(f"transports must name each transport once, got {self.transports}")
         if not 0 < self.timeout <= 600:
             raise ConfigError(f"timeout must be in (0, 600] seconds, got {self.timeout}")
         if not 0 <= self.cooldown <= 3600:
@@ -114,6 +119,7 @@ class PluginConfig:
         return ClientConfig(
             master=self.master,
             host=self.host,
+            transports=self.transports,
             global_segment_size=self.global_segment_size,
             local_buffer_size=self.local_buffer_size,
             timeout=self.timeout,
@@ -148,6 +154,13 @@ def _as_size(key: str, raw: Any) -> int:
     return parse_size(raw)
 
 
+def _as_names(key: str, raw: Any) -> tuple[str, ...]:
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f'{key} must be names such as "shm,tcp", got {raw!r}')
+    return tuple(i.strip() for i in items if i.strip())
+
+
 def _as_layout(key: str, raw: Any) -> Layout:
     try:
         return Layout(str(raw).strip().lower())
@@ -159,6 +172,7 @@ def _as_layout(key: str, raw: Any) -> Layout:
 _PARSERS: dict[str, Any] = {
     "master": lambda k, v: str(v).strip(),
     "host": lambda k, v: str(v).strip(),
+    "transports": _as_names,
     "timeout": lambda k, v: _as_number(k, v, float),
     "cooldown": lambda k, v: _as_number(k, v, float),
     "workers": lambda k, v: _as_number(k, v, int),
