@@ -319,3 +319,11 @@ def test_store_absent_at_start_then_found(make_sm: Any) -> None:
     finally:
         srv.close()
         m.close()
+
+
+def test_bad_settings_leave_lmcache_running_without_the_remote_backend(make_sm: Any) -> None:
+    """A ConfigError from the plugin is LMCache's to log; LMCache runs on without the store."""
+    sm = make_sm(timeout="soon")
+    backend = env.remote(sm)
+    assert backend.connection is None
+    assert not backend.contains(env.key(1)) and backend.get_blocking(env.key(1)) is None
