@@ -102,15 +102,15 @@ class ChunkCodec:
     def get_raw(self, client: StoreClient, keys: list[str]) -> list[Any | None]:
         """Full-chunk objects read in place, narrowed to the tokens read; None for a miss."""
         objs: list[Any] = []
-        for _ in keys:
-            obj = self._allocate(self.shapes, self.dtypes, self.fmt)
-            if obj is None:
-                self.warn("alloc", "no LMCache CPU memory for %d remote chunk(s)", len(keys))
-                break
-            objs.append(obj)
-        if not objs:
-            return [None] * len(keys)
         try:
+            for _ in keys:
+                obj = self._allocate(self.shapes, self.dtypes, self.fmt)
+                if obj is None:
+                    self.warn("alloc", "no LMCache CPU memory for %d remote chunk(s)", len(keys))
+                    break
+                objs.append(obj)
+            if not objs:
+                return [None] * len(keys)
             got = client.batch_get_into(
                 keys[: len(objs)],
                 [o.data_ptr for o in objs],
@@ -146,35 +146,45 @@ class ChunkCodec:
             ).serialize()
             value = bytearray(len(head) + n)
             value[: len(head)] = head
-            value[len(head) :] = obj.byte_array.cast("B")
+            value[len(head) :] = memoryview(obj.byte_array).cast("B")
             values.append(value)
         return self._put_results(keys, client.put_batch(keys, values, replicas=replicas))
 
     def get_framed(self, client: StoreClient, keys: list[str]) -> list[Any | None]:
-        from lmcache.v1.protocol import RemoteMetadata, get_remote_metadata_bytes
+        from lmcache.v1.protocol import get_remote_metadata_bytes
 
         head = get_remote_metadata_bytes()
         out: list[Any | None] = []
-        for key, value in zip(keys, client.get_batch(keys), strict=True):
-            obj = None
-            if value is not None:
-                try:
-                    meta = RemoteMetadata.deserialize(value[:head])
-                    if len(value) != head + meta.length:
-                        raise ValueError(f"{len(value)} bytes, header says {head}+{meta.length}")
-                    obj = self._allocate(meta.shapes, meta.dtypes, meta.fmt)
-                    if obj is None:
-                        self.warn("alloc", "no LMCache CPU memory for remote chunk %r", key)
-                    elif obj.get_size() != meta.length:
-                        obj.ref_count_down()
-                        raise ValueError(f"object of {obj.get_size()} bytes for {meta.length}")
-                    else:
-                        obj.byte_array.cast("B")[:] = memoryview(value)[head:]
-                except (ValueError, KeyError, IndexError, struct.error) as exc:  # bad header
-                    self.warn("get", "chunk %r unusable: %s", key, exc)
-                    obj = None
-            out.append(obj)
+        try:
+            for key, value in zip(keys, client.get_batch(keys), strict=True):
+                out.append(None if value is None else self._unframe(key, value, head))
+        except BaseException:
+            release(out)
+            raise
         return out
+
+    def _unframe(self, key: str, value: bytes, head: int) -> Any | None:
+        from lmcache.v1.protocol import RemoteMetadata
+
+        obj = None
+        try:
+            meta = RemoteMetadata.deserialize(value[:head])
+            if len(value) != head + meta.length:
+                raise ValueError(f"{len(value)} bytes, header says {head}+{meta.length}")
+            obj = self._allocate(meta.shapes, meta.dtypes, meta.fmt)
+            if obj is None:
+                self.warn("alloc", "no LMCache CPU memory for remote chunk %r", key)
+                return None
+            if obj.get_size() != meta.length:
+                raise ValueError(f"object of {obj.get_size()} bytes for {meta.length}")
+            memoryview(obj.byte_array).cast("B")[:] = memoryview(value)[head:]
+            return obj
+        except (ValueError, TypeError, KeyError, IndexError, struct.error) as exc:
+            # a bad header, a format the allocator refuses, a read-only object
+            self.warn("get", "chunk %r unusable: %s", key, exc)
+            if obj is not None:
+                obj.ref_count_down()
+            return None
 
     # -- shared -----------------------------------------------------------------------------
     def _put_results(self, keys: list[str], results: Sequence[Any]) -> list[bool]:
