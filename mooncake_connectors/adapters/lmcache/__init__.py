@@ -1,0 +1,33 @@
+"""LMCache remote storage plugin: LMCache's remote backend keeps its chunks in our store.
+
+In LMCache's config (see docs/lmcache.md)::
+
+    remote_storage_plugins: ["mooncake_connectors"]
+    extra_config:
+      remote_storage_plugin.mooncake_connectors.module_path: mooncake_connectors.adapters.lmcache
+      remote_storage_plugin.mooncake_connectors.class_name: StoreConnector
+      remote_storage_plugin.mooncake_connectors.master: "127.0.0.1:50051"
+
+``StoreConnector`` is imported lazily (it imports lmcache); :mod:`.config` and :mod:`.guard` do
+not need lmcache.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "StoreConnector": ".connector",
+    "PluginConfig": ".config",
+    "Layout": ".config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
