@@ -9,6 +9,7 @@ engines sharing a core starve each other.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -40,7 +41,7 @@ def http_ok(url: str) -> bool:
         return False
 
 
-class Server:
+class Server(abc.ABC):
     """A subprocess answering HTTP on 127.0.0.1:port; ``url`` is its base URL."""
 
     name = "server"
@@ -51,8 +52,9 @@ class Server:
         self.log_path = log_dir / f"{self.name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @abc.abstractmethod
     def command(self) -> list[str]:
-        raise NotImplementedError
+        """The argv that starts this server."""
 
     def environment(self) -> dict[str, str]:
         return dict(os.environ)
