@@ -156,49 +156,57 @@ sys.stdin.read()
 """
 
 
+def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tuple[str, str]:
+    """Start Mooncake's own store for a side-by-side run: ``mooncake_master`` (from the wheel,
+    with its HTTP metadata server) and a data-owner process contributing ``memory`` bytes, all on
+    127.0.0.1. The processes are appended to ``procs`` as they start (the caller stops them, also
+    when this raises). Returns (master address, metadata URL)."""
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # Mooncake binds 0.0.0.0 otherwise
+    env = dict(os.environ)
+    rpc, metrics, http = _free_port(), _free_port(), _free_port()
+    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    master_proc = _quiet(
+        [
+            binary,
+            f"--rpc_port={rpc}",
+            "--rpc_address=127.0.0.1",
+            f"--metrics_port={metrics}",
+            "--metrics_host=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+        ],
+        env,
+    )
+    procs.append(master_proc)
+    _wait_port(rpc, 30, master_proc)
+    _wait_port(http, 30, master_proc)
+    meta = f"http://127.0.0.1:{http}/metadata"
+    master = f"127.0.0.1:{rpc}"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, meta, str(memory), master],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    procs.append(owner)
+    assert owner.stdout is not None
+    line = owner.stdout.readline().strip()
+    if line != "ready":
+        raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
+    return master, meta
+
+
 class _Mooncake(_System):
     name = "mooncake"
 
     def __init__(self, memory: int) -> None:
         from mooncake.store import MooncakeDistributedStore
 
-        self.procs = []
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-        os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-        rpc, metrics, http = _free_port(), _free_port(), _free_port()
-        binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        self.procs.append(
-            _quiet(
-                [
-                    binary,
-                    f"--rpc_port={rpc}",
-                    "--rpc_address=127.0.0.1",
-                    f"--metrics_port={metrics}",
-                    "--metrics_host=127.0.0.1",
-                    "--enable_http_metadata_server=true",
-                    "--http_metadata_server_host=127.0.0.1",
-                    f"--http_metadata_server_port={http}",
-                ],
-                env,
-            )
-        )
-        _wait_port(rpc, 30, self.procs[0])
-        _wait_port(http, 30, self.procs[0])
-        meta = f"http://127.0.0.1:{http}/metadata"
-        master = f"127.0.0.1:{rpc}"
-        owner = subprocess.Popen(
-            [sys.executable, "-c", _OWNER, meta, str(memory), master],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        self.procs.append(owner)
-        assert owner.stdout is not None
-        line = owner.stdout.readline().strip()
-        if line != "ready":
-            raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
+        self.procs: list[subprocess.Popen[Any]] = []
+        master, meta = start_mooncake_store(memory, self.procs)
         self.c = MooncakeDistributedStore()
         if self.c.setup("127.0.0.1", meta, 0, 256 << 20, "tcp", "", master) != 0:
             raise RuntimeError("Mooncake client setup failed")

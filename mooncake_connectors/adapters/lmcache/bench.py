@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +40,7 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
+from ...store.bench import _free_port, _wait_port, start_mooncake_store
 from ...store.client import StoreClient
 from ...store.config import ClientConfig, parse_size
 
@@ -49,31 +48,6 @@ TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128
 TOKEN_LAYER_BYTES = 2 * HEAD_SIZE * 2  # K and V of one head, bf16
 PLUGIN = "mooncake_connectors"
-OWNER = """
-import sys
-from mooncake.store import MooncakeDistributedStore
-s = MooncakeDistributedStore()
-rc = s.setup("127.0.0.1", sys.argv[1], int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[3])
-print("ready" if rc == 0 else f"setup failed {rc}", flush=True)
-sys.stdin.read()
-"""
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[Any], timeout: float = 60) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
 class Stores:
@@ -88,9 +62,9 @@ class Stores:
             self.procs.append(subprocess.Popen(args, stdout=out, stderr=out, env=env))
             return self.procs[-1]
 
-        port = _port()
+        port = _free_port()
         cli = [sys.executable, "-m", "mooncake_connectors"]
-        _wait_port(port, quiet([*cli, "master", "--port", str(port)]))
+        _wait_port(port, 60, quiet([*cli, "master", "--port", str(port)]))
         self.ours = f"127.0.0.1:{port}"
         args = [*cli, "store-server", "--master", self.ours, "--memory", str(memory)]
         quiet(args)
@@ -101,42 +75,7 @@ class Stores:
                     raise RuntimeError("our store server did not mount its memory")
                 time.sleep(0.05)
 
-        rpc, metrics, http = _port(), _port(), _port()
-        binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        master = [
-            binary,
-            f"--rpc_port={rpc}",
-            "--rpc_address=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--metrics_host=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-        ]
-        _wait_port(rpc, quiet(master))
-        _wait_port(http, self.procs[-1])
-        self.mooncake_master = f"127.0.0.1:{rpc}"
-        self.mooncake_metadata = f"http://127.0.0.1:{http}/metadata"
-        owner = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                OWNER,
-                self.mooncake_metadata,
-                str(memory),
-                self.mooncake_master,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        self.procs.append(owner)
-        assert owner.stdout is not None
-        line = owner.stdout.readline().strip()
-        if line != "ready":
-            raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
+        self.mooncake_master, self.mooncake_metadata = start_mooncake_store(memory, self.procs)
 
     def close(self) -> None:
         for p in reversed(self.procs):

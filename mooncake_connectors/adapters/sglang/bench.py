@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ...store.bench import _OWNER, _free_port, _quiet, _stop, _wait_port
+from ...store.bench import _free_port, _quiet, _stop, _wait_port, start_mooncake_store
 from ...store.config import parse_size
 
 log = logging.getLogger(__name__)
@@ -146,42 +146,7 @@ class _Stores:
     def _start_mooncake(self, memory: int) -> tuple[str, str]:
         import mooncake.store  # noqa: F401  (ImportError: wheel missing)
 
-        os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-        env = dict(os.environ)
-        rpc, metrics, http = _free_port(), _free_port(), _free_port()
-        binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        master = _quiet(
-            [
-                binary,
-                f"--rpc_port={rpc}",
-                "--rpc_address=127.0.0.1",
-                f"--metrics_port={metrics}",
-                "--metrics_host=127.0.0.1",
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={http}",
-            ],
-            env,
-        )
-        self.procs.append(master)
-        _wait_port(rpc, 30, master)
-        _wait_port(http, 30, master)
-        meta = f"http://127.0.0.1:{http}/metadata"
-        addr = f"127.0.0.1:{rpc}"
-        owner = subprocess.Popen(
-            [sys.executable, "-c", _OWNER, meta, str(memory), addr],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        self.procs.append(owner)
-        assert owner.stdout is not None
-        line = owner.stdout.readline().strip()
-        if line != "ready":
-            raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
-        return addr, meta
+        return start_mooncake_store(memory, self.procs)
 
     def backend(self, system: str, pool: Any) -> Any:
         from sglang.srt.mem_cache.storage import StorageBackendFactory
