@@ -1,8 +1,7 @@
 """Real SGLang host pools on CPU and our backend built the way SGLang builds it.
 
-Imported by the tests after ``pytest.importorskip("sglang")``. Host pools are SGLang's own
-classes over CPU tensors with ``pin_memory=False`` (no cudaHostRegister), built from the same
-``MHABufferInfo`` / ``MLABufferInfo`` the engine hands them; the backend comes from
+Imported by the tests after ``pytest.importorskip("sglang")``. Host pools come from
+``adapters.sglang.cpu_pool`` (SGLang's own classes over CPU tensors); the backend comes from
 ``StorageBackendFactory.create_backend("dynamic", HiCacheStorageConfig(...), pool)``.
 """
 
@@ -12,16 +11,10 @@ import secrets
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.device_pool_info import (
-    KVBufferLayout,
-    KVBuffers,
-    MHABufferInfo,
-    MLABufferInfo,
-)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+from mooncake_connectors.adapters.sglang.cpu_pool import make_cpu_host_pool
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
 LORA, ROPE = 24, 8  # MLA row = kv_lora_rank + qk_rope_head_dim
@@ -38,50 +31,18 @@ MODULE = {
 
 def make_pool(kind: str, layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
     """A real SGLang host pool ("mha" or "mla") over freshly made CPU 'device' tensors."""
-    common = dict(
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=PAGE,
-        layout=layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=DEVICE_TOKENS,
-        start_layer=0,
-        end_layer=LAYERS,
-    )
-    if kind == "mha":
-        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-        info = MHABufferInfo(
-            buffers=KVBuffers(
-                k=k,
-                v=v,
-                k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
-                v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
-                layout=KVBufferLayout.NHD,
-            ),
-            page_size=PAGE,
-            head_num=HEADS,
-            head_dim=HEAD_DIM,
-            v_head_dim=HEAD_DIM,
-            dtype=dtype,
-            device=CPU,
-        )
-        return MHATokenToKVPoolHost(info, **common)  # type: ignore[arg-type]
-    rows = tuple(torch.zeros(DEVICE_TOKENS, 1, LORA + ROPE, dtype=dtype) for _ in range(LAYERS))
-    minfo = MLABufferInfo(
-        buffers=rows,
-        data_ptrs=torch.tensor([t.data_ptr() for t in rows], dtype=torch.uint64),
-        layer_indices=tuple(range(LAYERS)),
-        device_layer_num=LAYERS,
-        page_size=PAGE,
+    return make_cpu_host_pool(
+        kind,
+        layout,
+        layers=LAYERS,
+        page=PAGE,
+        device_tokens=DEVICE_TOKENS,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
         kv_lora_rank=LORA,
-        qk_rope_head_dim=ROPE,
-        kv_cache_dim=LORA + ROPE,
+        rope_dim=ROPE,
         dtype=dtype,
-        device=CPU,
     )
-    return MLATokenToKVPoolHost(minfo, target_layer_num=LAYERS, **common)  # type: ignore[arg-type]
 
 
 def fill_random(pool: Any, seed: int) -> None:

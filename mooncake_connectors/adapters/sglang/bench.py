@@ -44,63 +44,22 @@ GEOMETRIES: dict[str, tuple[str, int, int, int, int]] = {
 
 
 def _pool(geometry: str, layout: str, pages: int) -> Any:
-    from sglang.srt.mem_cache.device_pool_info import (
-        KVBufferLayout,
-        KVBuffers,
-        MHABufferInfo,
-        MLABufferInfo,
-    )
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from .cpu_pool import make_cpu_host_pool
 
     kind, layers, heads, dim, page = GEOMETRIES[geometry]
-    dtype, cpu = torch.bfloat16, torch.device("cpu")
-    common: dict[str, Any] = dict(
+    pool = make_cpu_host_pool(
+        kind,
+        layout,
+        layers=layers,
+        page=page,
+        device_tokens=page,
+        heads=heads,
+        head_dim=dim,
+        kv_lora_rank=dim - 64,  # MLA rows: kv_lora_rank + a 64-wide rope part
+        rope_dim=64,
         host_to_device_ratio=1.0,
-        host_size=0,
-        page_size=page,
-        layout=layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=page,
-        start_layer=0,
-        end_layer=layers,
         host_token_capacity=2 * pages * page,  # source pages, then destination pages
     )
-    if kind == "mha":
-        k = tuple(torch.zeros(page, heads, dim, dtype=dtype) for _ in range(layers))
-        v = tuple(torch.zeros(page, heads, dim, dtype=dtype) for _ in range(layers))
-        info = MHABufferInfo(
-            buffers=KVBuffers(
-                k=k,
-                v=v,
-                k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
-                v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
-                layout=KVBufferLayout.NHD,
-            ),
-            page_size=page,
-            head_num=heads,
-            head_dim=dim,
-            v_head_dim=dim,
-            dtype=dtype,
-            device=cpu,
-        )
-        pool = MHATokenToKVPoolHost(info, **common)
-    else:
-        rows = tuple(torch.zeros(page, 1, dim, dtype=dtype) for _ in range(layers))
-        minfo = MLABufferInfo(
-            buffers=rows,
-            data_ptrs=torch.tensor([t.data_ptr() for t in rows], dtype=torch.uint64),
-            layer_indices=tuple(range(layers)),
-            device_layer_num=layers,
-            page_size=page,
-            kv_lora_rank=dim - 64,
-            qk_rope_head_dim=64,
-            kv_cache_dim=dim,
-            dtype=dtype,
-            device=cpu,
-        )
-        pool = MLATokenToKVPoolHost(minfo, target_layer_num=layers, **common)
     pool.kv_buffer.view(-1).view(torch.uint8).random_(0, 256)
     return pool
 
