@@ -139,6 +139,58 @@ def proxy(
 
 
 @app.command()
+def demo(
+    prompts: Annotated[int, typer.Option(min=1, max=64, help="Prompts sent each way.")] = 8,
+    min_tokens: Annotated[int, typer.Option(min=1, help="Shortest prompt, in tokens.")] = 300,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(min=1, max=8192, help="Longest prompt, in tokens.")
+    ] = 1500,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 32,
+    work_dir: Annotated[
+        str | None, typer.Option(help="Keep the model and the engine logs here.")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write the JSON report here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Prefill/decode disaggregation end to end: a tiny model, two vLLM engines, the proxy."""
+    _setup_logging(verbose)
+    from pathlib import Path
+
+    from rich.console import Console
+
+    import importlib.util
+
+    from .adapters.vllm.demo import render, run_demo
+
+    if importlib.util.find_spec("vllm") is None:
+        typer.echo("error: the demo needs vLLM here: scripts/bootstrap --vllm", err=True)
+        raise typer.Exit(2)
+    console = Console(stderr=True, log_path=False)
+    try:
+        with console.status("starting") as status:
+            report = run_demo(
+                prompts=prompts,
+                min_tokens=min_tokens,
+                max_prompt_tokens=max_prompt_tokens,
+                max_tokens=max_tokens,
+                work_dir=Path(work_dir) if work_dir else None,
+                say=lambda msg: (status.update(msg), console.log(msg)),
+            )
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if output:
+        with open(output, "w") as fh:
+            fh.write(json.dumps(report, indent=2) + "\n")
+    typer.echo(render(report))
+    if not report["all_identical"]:
+        typer.echo("error: some disaggregated answers differ from the single engine", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
 def master(
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Control-plane port.")] = 50051,
