@@ -156,11 +156,10 @@ def demo(
 ) -> None:
     """Prefill/decode disaggregation end to end: a tiny model, two vLLM engines, the proxy."""
     _setup_logging(verbose)
+    import importlib.util
     from pathlib import Path
 
     from rich.console import Console
-
-    import importlib.util
 
     from .adapters.vllm.demo import render, run_demo
 
@@ -170,13 +169,18 @@ def demo(
     console = Console(stderr=True, log_path=False)
     try:
         with console.status("starting") as status:
+
+            def say(msg: str) -> None:
+                status.update(msg)
+                console.log(msg)
+
             report = run_demo(
                 prompts=prompts,
                 min_tokens=min_tokens,
                 max_prompt_tokens=max_prompt_tokens,
                 max_tokens=max_tokens,
                 work_dir=Path(work_dir) if work_dir else None,
-                say=lambda msg: (status.update(msg), console.log(msg)),
+                say=say,
             )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -6,7 +6,7 @@ What it starts, all on 127.0.0.1 and all stopped again at the end (also on error
 2. a prefill and a decode vLLM engine with ``MooncakeConnectorsPD``, one CPU core each;
 3. ``mooncake-connectors proxy`` in front of them.
 
-Then it sends the same prompts (300–1500 tokens, greedy) two ways:
+Then it sends the same prompts (300-1500 tokens, greedy) two ways:
 
 - **single engine**: straight to one vLLM engine, which prefills and decodes itself;
 - **disaggregated**: through the proxy: the prefill engine computes the prompt, the decode engine
