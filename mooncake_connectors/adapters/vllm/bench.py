@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .launch import VllmServer, completion, free_port, post_stream, token_ids
+from .launch import VllmServer, completion, free_port, stream_completion, token_ids
 
 _METRICS = re.compile(
     r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)"
@@ -175,31 +175,11 @@ class _Theirs:
 def _stream_decode(
     decode: VllmServer, prompt: list[int], max_tokens: int, params: Any, t0: float
 ) -> tuple[float, list[int]]:
-    """(ms from t0 to the first streamed token, all token ids)."""
-    first: list[float] = []
-    ids: list[int] = []
-
-    def on_event(event: dict[str, Any]) -> None:
-        if not first:
-            first.append(time.perf_counter())
-        for choice in event.get("choices") or []:
-            ids.extend(choice.get("token_ids") or [])
-
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-        "kv_transfer_params": params,
-    }
-    for event in post_stream(decode.url + "/v1/completions", body, timeout=300):
-        on_event(event)
-    if not first:
-        raise RuntimeError("the decode stream carried no token")
-    return 1e3 * (first[0] - t0), ids
+    """(ms from t0 to the decode's first streamed token, all token ids)."""
+    first, _, ids = stream_completion(
+        decode.url, prompt, max_tokens, {"kv_transfer_params": params}, t0=t0
+    )
+    return 1e3 * first, ids
 
 
 def run_pd_benchmark(

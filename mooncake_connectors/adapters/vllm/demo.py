@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .launch import ProxyServer, VllmServer, post_stream
+from .launch import ProxyServer, VllmServer, stream_completion
 
 Say = Callable[[str], None]
 _EXTERNAL = "vllm:external_prefix_cache_hits_total"  # prompt tokens a KV connector provided
@@ -45,35 +45,10 @@ def demo_prompts(count: int, low: int, high: int, seed: int = 7) -> list[list[in
     return [[rng.randrange(2, 1024) for _ in range(int(low + i * step))] for i in range(count)]
 
 
-def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
-    """(seconds to the first token, seconds in all, token ids) of one streamed completion."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
-    t0 = time.perf_counter()
-    first = 0.0
-    ids: list[int] = []
-    for event in post_stream(url + "/v1/completions", body, timeout=300):
-        for choice in event.get("choices") or []:
-            got = choice.get("token_ids") or []
-            if got and not first:
-                first = time.perf_counter() - t0
-            ids.extend(got)
-    if not first:
-        raise RuntimeError(f"{url} streamed no token")
-    return first, time.perf_counter() - t0, ids
-
-
 def _sequential(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     ttft, answers = [], []
     for p in prompts:
-        first, _, ids = _stream(url, p, max_tokens)
+        first, _, ids = stream_completion(url, p, max_tokens)
         ttft.append(first)
         answers.append(ids)
     return {
@@ -87,7 +62,7 @@ def _sequential(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str
 def _concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        done = list(pool.map(lambda p: _stream(url, p, max_tokens), prompts))
+        done = list(pool.map(lambda p: stream_completion(url, p, max_tokens), prompts))
     wall = time.perf_counter() - t0
     tokens = sum(len(ids) for _, _, ids in done)
     return {
@@ -138,8 +113,8 @@ def run_demo(
             s.wait_ready()
         say(f"prefill {prefill.url}, decode {decode.url}, proxy {proxy.url}")
         batch = demo_prompts(prompts, min_tokens, max_prompt_tokens)
-        _stream(prefill.url, batch[0][:64], 2)  # warm both paths once
-        _stream(proxy.url, batch[-1][:64], 2)
+        stream_completion(prefill.url, batch[0][:64], 2)  # warm both paths once
+        stream_completion(proxy.url, batch[-1][:64], 2)
         external0 = decode.metric(_EXTERNAL)
         say(f"{prompts} prompts, one at a time: single engine, then disaggregated")
         single = _sequential(prefill.url, batch, max_tokens)

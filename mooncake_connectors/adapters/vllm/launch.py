@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,12 +215,11 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, An
         raise RuntimeError(f"POST {url} -> {exc.code}: {exc.read()[:2000]!r}") from None
 
 
-def post_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> list[dict[str, Any]]:
-    """The ``data:`` events of a streaming answer, up to ``[DONE]``."""
+def iter_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> Iterator[dict[str, Any]]:
+    """The ``data:`` events of a streaming answer as they arrive, up to ``[DONE]``."""
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
-    events = []
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -227,9 +227,50 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> list[
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                break
-            events.append(json.loads(data))
-    return events
+                return
+            yield json.loads(data)
+
+
+def post_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> list[dict[str, Any]]:
+    """All the ``data:`` events of a streaming answer, up to ``[DONE]``."""
+    return list(iter_stream(url, body, timeout))
+
+
+def stream_completion(
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
+    *,
+    t0: float | None = None,
+    timeout: float = 300.0,
+) -> tuple[float, float, list[int]]:
+    """Stream a greedy, fixed-length completion of a token-id prompt from ``url``.
+
+    Returns (seconds from ``t0`` (default: the send) to the first token, seconds to the end,
+    all token ids)."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    body.update(extra or {})
+    start = time.perf_counter() if t0 is None else t0
+    first = 0.0
+    ids: list[int] = []
+    for event in iter_stream(url + "/v1/completions", body, timeout):
+        for choice in event.get("choices") or []:
+            got = choice.get("token_ids") or []
+            if got and not first:
+                first = time.perf_counter() - start
+            ids.extend(got)
+    if not first:
+        raise RuntimeError(f"{url} streamed no token")
+    return first, time.perf_counter() - start, ids
 
 
 def completion(
