@@ -37,6 +37,8 @@ TRANSFER_TIMEOUT = 5.0
 KV_LEASE = 20.0
 PROMPT_LENGTHS = [300, 420, 555, 690, 833, 1000, 1234, 1500]
 MAX_TOKENS = 24
+LOADS = "vllm:mooncake_connectors_pd_loads_total"
+LOAD_BYTES = "vllm:mooncake_connectors_pd_load_bytes_total"
 
 
 def kv_config(role: str) -> dict[str, Any]:
@@ -98,6 +100,8 @@ def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
     hits_before = pd.decode.metric("vllm:external_prefix_cache_hits_total")
     second_before = pd.prefill2.metric("vllm:prompt_tokens_total")
     p2p_before = pd.decode.metric("vllm:prompt_tokens_cached_by_source_total", 'source="p2p"')
+    loads_before = pd.decode.metric(LOADS)
+    bytes_before = pd.decode.metric(LOAD_BYTES)
     for i, p in enumerate(prompts):
         answer = completion(pd.proxy.url, p, MAX_TOKENS)
         assert token_ids(answer) == reference[i], f"prompt {i} ({len(p)} tokens) differs"
@@ -110,6 +114,13 @@ def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
     assert second == sum(PROMPT_LENGTHS[1::2])
     p2p = pd.decode.metric("vllm:prompt_tokens_cached_by_source_total", 'source="p2p"') - p2p_before
     assert p2p == sum(PROMPT_LENGTHS)  # attributed to a peer instance (CacheHitSource.P2P)
+    # our connector's own series on vLLM's /metrics (build_prom_metrics)
+    n = len(prompts)
+    wait_until(lambda: pd.decode.metric(LOADS) - loads_before >= n, 30, "PD load metrics")
+    assert pd.decode.metric(LOADS) - loads_before == n
+    # the tiny model has 1 KiB of KV per token; at least half of each prompt moved
+    assert pd.decode.metric(LOAD_BYTES) - bytes_before >= sum(PROMPT_LENGTHS) // 2 * 1024
+    assert pd.decode.metric("vllm:mooncake_connectors_pd_load_seconds_count") >= n
 
 
 def test_proxy_chat_and_streaming(pd: PD) -> None:

@@ -19,7 +19,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .config import PDConfig
 from .metadata import PDConnectorMetadata
 from .scheduler import PDScheduler
-from .stats import PDStats
+from .stats import PDPromMetrics, PDStats
 from .worker import PDWorker
 
 if TYPE_CHECKING:
@@ -137,6 +137,16 @@ class MooncakeConnectorsPD(KVConnectorBase_V1):  # type: ignore[misc]  # Any wit
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return PDStats(data=dict(data)) if data is not None else PDStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PDPromMetrics:
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

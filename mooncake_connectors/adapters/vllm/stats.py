@@ -1,8 +1,15 @@
-"""PD transfer statistics in vLLM's connector-stats channel.
+"""PD transfer statistics in vLLM's connector-stats channel and on vLLM's ``/metrics``.
 
-Workers hand a snapshot to vLLM each step (``get_kv_connector_stats``); vLLM aggregates them and
-logs ``KV Transfer metrics: ...`` at its stats interval. The transfer engine's own Prometheus
-metrics (``metrics_port``) count bytes, requests and latency per transport underneath.
+Workers hand a snapshot to vLLM each step (``get_kv_connector_stats``); vLLM aggregates them,
+logs ``KV Transfer metrics: ...`` at its stats interval and hands the same data to ``PDPromMetrics``
+(``build_prom_metrics``), which exports it on the API server's own ``/metrics``:
+
+- ``vllm:mooncake_connectors_pd_load_seconds`` histogram: one request's KV read on decode;
+- ``vllm:mooncake_connectors_pd_load_bytes_total``, ``..._loads_total``,
+  ``..._failed_loads_total``, ``..._expired_leases_total`` counters.
+
+The transfer engine's own Prometheus metrics (``metrics_port``) count bytes, requests and latency
+per transport underneath.
 """
 
 from __future__ import annotations
@@ -11,7 +18,11 @@ import dataclasses
 import threading
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 _KEYS = ("load_seconds", "load_bytes", "load_requests", "failed_loads", "expired_leases")
 
@@ -81,3 +92,58 @@ class PDStats(KVConnectorStats):  # type: ignore[misc]  # Any without vLLM
             "Num failed transfers": len(self.data["failed_loads"]),
             "Num KV expired reqs": len(self.data["expired_leases"]),
         }
+
+
+_PREFIX = "vllm:mooncake_connectors_pd_"
+_LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 20.0]
+
+
+class PDPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any without vLLM
+    """The PD connector's metrics in vLLM's Prometheus registry, one child per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(cls: Any, name: str, doc: str, **kw: Any) -> dict[int, Any]:
+            metric = cls(name=_PREFIX + name, documentation=doc, labelnames=labelnames, **kw)
+            return create_metric_per_engine(metric, per_engine_labelvalues)  # type: ignore[no-any-return]
+
+        self.load_seconds = per_engine(
+            self._histogram_cls,
+            "load_seconds",
+            "Seconds one request's KV read from its prefill instance took (decode side).",
+            buckets=_LOAD_BUCKETS,
+        )
+        self.load_bytes = per_engine(
+            self._counter_cls, "load_bytes", "KV bytes read from prefill instances."
+        )
+        self.loads = per_engine(self._counter_cls, "loads", "Requests whose KV was read.")
+        self.failed = per_engine(
+            self._counter_cls,
+            "failed_loads",
+            "Requests whose KV read failed or timed out (recomputed or failed by policy).",
+        )
+        self.expired = per_engine(
+            self._counter_cls,
+            "expired_leases",
+            "Finished prefill requests whose blocks were freed before any decode read them.",
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data
+        for secs in data.get("load_seconds", []):
+            self.load_seconds[engine_idx].observe(secs)
+        if nbytes := sum(data.get("load_bytes", [])):
+            self.load_bytes[engine_idx].inc(nbytes)
+        if n := len(data.get("load_seconds", [])):
+            self.loads[engine_idx].inc(n)
+        if n := len(data.get("failed_loads", [])):
+            self.failed[engine_idx].inc(n)
+        if n := len(data.get("expired_leases", [])):
+            self.expired[engine_idx].inc(n)
