@@ -162,6 +162,9 @@ def master(
     read_lease_ttl: Annotated[float, typer.Option(help="Seconds a get protects.")] = 5.0,
     heartbeat_interval: Annotated[float, typer.Option(help="Server heartbeat period.")] = 1.0,
     server_ttl: Annotated[float, typer.Option(help="Silence before a server is dead.")] = 5.0,
+    promote_hits: Annotated[
+        int, typer.Option(help="Reads from SSD before an object is promoted to memory (0: never).")
+    ] = 1,
     verbose: Verbose = 0,
 ) -> None:
     """Run the store master (metadata and allocation only) in the foreground."""
@@ -184,6 +187,7 @@ def master(
         read_lease_ttl=read_lease_ttl,
         heartbeat_interval=heartbeat_interval,
         server_ttl=server_ttl,
+        promote_hits=promote_hits,
     )
     m = Master(cfg).start()
     typer.echo(json.dumps({"master": m.address, "metrics_port": m.metrics_port}), err=True)

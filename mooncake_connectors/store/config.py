@@ -73,6 +73,8 @@ class MasterConfig:
     unmounted. soft_pin_ttl: how long a soft pin lasts. ha: ``etcd://HOST:PORT/PREFIX`` to elect
     a leader among several masters; ha_lease_ttl is the leader key's lease; advertise is the
     address written there (default host:port). max_frame: larger control frames are refused.
+    promote_hits: an object spilled to SSD is brought back into memory on its n-th read from SSD
+    when that fits below the high watermark (0: never; 1: on the first read).
     """
 
     host: str = "127.0.0.1"
@@ -91,6 +93,7 @@ class MasterConfig:
     ha_lease_ttl: float = 5.0
     advertise: str | None = None
     max_frame: int = 64 * MIB
+    promote_hits: int = 1
 
     def __post_init__(self) -> None:
         if not self.host or any(c.isspace() for c in self.host):
@@ -121,6 +124,8 @@ class MasterConfig:
             raise ConfigError(f"ha must be an etcd://HOST:PORT/PREFIX URL, got {self.ha!r}")
         if self.max_frame < 64 * KIB:
             raise ConfigError("max_frame must be at least 64 KiB")
+        if self.promote_hits < 0:
+            raise ConfigError(f"promote_hits must be >= 0, got {self.promote_hits}")
 
     @property
     def address(self) -> str:

@@ -24,7 +24,7 @@ from msgspec import Meta, Struct
 
 from .config import MAX_OBJECT_SIZE, MAX_REPLICAS, MAX_SEGMENT_SIZE
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-stripe SSD copies (Loc.disk is a list), promotions
 MAGIC = b"MS"
 PREFIX = struct.Struct("<I")
 HEADER = struct.Struct("<2sBBQ")
@@ -32,6 +32,9 @@ FLAG_NOTIFY = 1
 FLAG_PUSH = 2
 MAX_KEY = 4096
 MAX_BATCH = 1 << 16
+# Bytes an SSD file spends on its header (magic, version, length, CRC32): the master counts them
+# against a server's SSD budget exactly as the server does.
+SSD_HEADER = 32
 
 
 class Code(enum.IntEnum):
@@ -167,6 +170,11 @@ class SpillDone(Msg, tag="spilled"):
     results: list[tuple[int, bool]]  # (file id, written)
 
 
+class Promoted(Msg, tag="promoted"):
+    client_id: Id
+    results: list[tuple[int, bool]]  # (file id, read back into memory and checksum-verified)
+
+
 class Stats(Msg, tag="stats"):
     pass
 
@@ -195,6 +203,7 @@ Request = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     RemoveAll,
     Report,
     SpillDone,
+    Promoted,
     Stats,
     Load,
     Release,
@@ -243,7 +252,8 @@ class Committed(Msg, tag="committed"):
 class Loc(Struct, array_like=True):
     size: int
     stripes: list[list[Copy]]  # per stripe: live copies, any order
-    disk: tuple[str, str, int] | None = None  # (load endpoint, segment, file id)
+    # on SSD instead: per stripe (load endpoint, segment of that server, file id)
+    disk: list[tuple[str, str, int]] | None = None
 
 
 class Locs(Msg, tag="locs"):
@@ -284,6 +294,10 @@ class DropFiles(Msg, tag="dropfiles"):
     file_ids: list[int]
 
 
+class Promote(Msg, tag="promote"):
+    items: list[tuple[int, int, int]]  # (file id, address in the server's segment, size)
+
+
 Reply = Union[  # noqa: UP007
     Err,
     Ok,
@@ -300,6 +314,7 @@ Reply = Union[  # noqa: UP007
     Hold,
     Spill,
     DropFiles,
+    Promote,
 ]
 
 encoder = msgspec.msgpack.Encoder()
@@ -328,6 +343,7 @@ __all__ = [
     "HEADER",
     "PREFIX",
     "PROTOCOL_VERSION",
+    "SSD_HEADER",
     "Code",
     "Loc",
     "Msg",

@@ -6,12 +6,13 @@ just failed is tried last for a while. All stripes of all keys go out as one tra
 stripes that failed go out again to their next copy. One attempt
 waits ``replica_timeout`` plus time for its bytes at 100 MB/s, so a dead server costs a read
 that much, not its full deadline; when the last copy fails the key reads as a miss.
-Objects the master spilled to a server's SSD are loaded by that server into registered memory
-and read from there like any other copy.
+Objects the master spilled to SSD are loaded, stripe by stripe, by the servers holding the
+files into registered memory and read from there like any other copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -152,30 +153,39 @@ class Reader:
         return ch
 
     def _load(self, loc: Loc, dest: int, deadline: float) -> StoreError | None:
-        """Have the server read its SSD copy into registered memory, then read it from there."""
+        """Have each stripe's server read its SSD file into registered memory (the file's
+        checksum is checked there), then read every stripe from there in one batch."""
         assert loc.disk is not None
-        endpoint, segment, fid = loc.disk
+        bounds = stripe_bounds(loc.size, len(loc.disk))
+        loans: list[tuple[Channel, int]] = []
+        reqs: list[TransferRequest] = []
         try:
-            ch = self._channel(endpoint)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return ReplicaUnavailable("SSD load deadline passed", code=-800)
-                reply = ch.call(Load(fid, loc.size), min(left, self.rpc_timeout))
-                if isinstance(reply, Err) and reply.code == Code.BUSY:
-                    time.sleep(0.01)
-                    continue
-                break
-            if not isinstance(reply, Loaded):
-                msg = reply.message if isinstance(reply, Err) else type(reply).__name__
-                return ReplicaUnavailable(f"SSD copy unavailable: {msg}", code=-704)
-            try:
-                if loc.size:
-                    self.engine.read(segment, dest, reply.addr, loc.size, timeout=left)
-            finally:
-                ch.notify(Release(reply.token))
+            for (endpoint, segment, fid), (off, n) in zip(loc.disk, bounds, strict=True):
+                ch = self._channel(endpoint)
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return ReplicaUnavailable("SSD load deadline passed", code=-800)
+                    reply = ch.call(Load(fid, n), min(left, self.rpc_timeout))
+                    if isinstance(reply, Err) and reply.code == Code.BUSY:
+                        time.sleep(0.01)
+                        continue
+                    break
+                if not isinstance(reply, Loaded):
+                    msg = reply.message if isinstance(reply, Err) else type(reply).__name__
+                    return ReplicaUnavailable(f"SSD copy unavailable: {msg}", code=-704)
+                loans.append((ch, reply.token))
+                if n:
+                    reqs.append(TransferRequest(_READ, segment, dest + off, reply.addr, n))
+            if reqs:
+                left = max(0.001, deadline - time.monotonic())
+                self.engine.transfer(coalesce(reqs), timeout=left)
         except (OSError, MooncakeConnectorsError) as exc:
             return ReplicaUnavailable(f"SSD copy unreadable: {exc}", code=-800)
+        finally:
+            for ch, token in loans:
+                with contextlib.suppress(OSError):  # else the loan expires on the server
+                    ch.notify(Release(token))
         return None
 
     def close(self) -> None:

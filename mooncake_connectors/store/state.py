@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
-from . import eviction
+from . import eviction, tier
 from .allocator import RangeAllocator, aligned
 from .config import MasterConfig
 from .protocol import Code, Loc, Part, stripe_bounds, stripe_count
@@ -31,7 +31,6 @@ from .records import (
     PIN,
     SHIFT,
     SOFT,
-    SPILLING,
     Extra,
     Obj,
     Pending,
@@ -58,7 +57,10 @@ class MasterState:
         self.seg_by_name: dict[str, Segment] = {}
         self.servers: dict[str, Server] = {}
         self.dirty: set[Server] = set()
-        self.spilling: dict[int, tuple[str, Obj, Server, int]] = {}
+        self.spilling: dict[int, tier.Job] = {}  # file id -> its object's spill
+        self.promoting: dict[int, tier.Job] = {}  # file id -> its object's promotion
+        # (drop at, seq, server, file id, bytes): files of promoted objects a reader may still load
+        self._late_files: list[tuple[float, int, Server, int, int]] = []
         self._order: list[Segment] = []  # allocatable segments, placement rotates over them
         self._rr = 0
         self._seg_ids = itertools.count(1)
@@ -81,7 +83,11 @@ class MasterState:
                 "removes",
                 "evictions",
                 "spills",
+                "spill_failures",
                 "ssd_drops",
+                "ssd_hits",
+                "promotions",
+                "promotion_failures",
                 "expired_puts",
                 "ttl_expired",
                 "servers_lost",
@@ -153,10 +159,7 @@ class MasterState:
         self.counters["servers_lost"] += 1
         for seg in rec.segments:
             self._drop_segment(seg)
-        for fid, entry in list(self.spilling.items()):
-            if entry[2] is rec:
-                del self.spilling[fid]
-                entry[1].meta &= ~SPILLING
+        tier.abandon(self, rec, time.monotonic())
         self.servers.pop(rec.client_id, None)
         self.dirty.discard(rec)
         self._sweep = iter(list(self.objects))  # purge lost objects a slice per tick
@@ -270,8 +273,11 @@ class MasterState:
     def evict_to_watermark(self, now: float) -> int:
         return eviction.evict_to_watermark(self, now)
 
-    def spill_done(self, rec: Server, fid: int, ok: bool, now: float) -> None:
-        eviction.spill_done(self, rec, fid, ok, now)
+    def spill_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
+        tier.spill_done(self, client_id, fid, ok, now)
+
+    def promote_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
+        tier.promote_done(self, client_id, fid, ok, now)
 
     def settling(self, now: float) -> bool:
         """Servers may still be (re)registering with this new master: an allocation it does not
@@ -315,16 +321,8 @@ class MasterState:
         self._free_memory(key, obj, now, force, notify)
         ex = obj.extra
         if ex is not None and ex.disk is not None:
-            rec = self.servers.get(ex.disk[0])
-            if rec is not None:
-                fid = ex.disk[1]
-                entry = rec.disk.pop(fid, None)
-                if entry is not None:
-                    rec.ssd_used -= entry[1]
-                rec.dropfiles.append(fid)
-                if notify:
-                    rec.ops.append(key)
-                self.dirty.add(rec)
+            tier.release_disk(self, key, ex.disk, notify)
+            ex.disk = None
 
     def _part(
         self,
@@ -343,6 +341,8 @@ class MasterState:
         nrep = obj.meta >> 8
         locs = obj.locs
         nst = 1 if type(locs) is int or not locs else len(locs) // max(1, nrep)
+        if not locs and ex is not None and ex.disk is not None:
+            nst = len(ex.disk)
         flags = obj.meta & PIN
         at_ms = int(time.time() * 1000) if put_id else 0
         return Part(
@@ -406,9 +406,14 @@ class MasterState:
             else:
                 return Loc(obj.size, stripes)
         if ex is not None and ex.disk is not None:
-            rec = self.servers.get(ex.disk[0])
-            if rec is not None and rec.alive and rec.segments:
-                return Loc(obj.size, [], (rec.endpoint, rec.segments[0].name, ex.disk[1]))
+            files = []
+            for cid, fid in ex.disk:
+                rec = self.servers.get(cid)
+                if rec is None or not rec.alive or not rec.segments or fid < 0:
+                    break
+                files.append((rec.endpoint, rec.segments[0].name, fid))
+            else:
+                return Loc(obj.size, [], files)
         if now >= self.recover_until:
             self.drop(key, obj, now)
         return None
@@ -426,6 +431,10 @@ class MasterState:
                 obj.lease = lease
                 del objs[key]  # LRU: to the back
                 objs[key] = obj
+                if loc.disk is not None and obj.extra is not None and obj.extra.disk is not None:
+                    self.counters["ssd_hits"] += 1
+                    tier.touch(self, obj.extra.disk)
+                    tier.maybe_promote(self, key, obj, now)
             out.append(loc)
         self.counters["gets"] += len(keys)
         self.counters["hits"] += hits
@@ -638,6 +647,7 @@ class MasterState:
         for rid, p in gone:
             del self.reserved[rid]
             self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)
+        tier.drop_late_files(self, now)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, locs, size, nst = heapq.heappop(self._deferred)
             self._release_locs(locs, size, nst)
@@ -672,7 +682,8 @@ class MasterState:
             servers=sum(1 for r in self.servers.values() if r.alive and r.segments),
             ssd_capacity_bytes=sum(r.ssd_size for r in self.servers.values()),
             ssd_used_bytes=sum(r.ssd_used for r in self.servers.values()),
-            spilling=len(self.spilling),
+            spilling=len(set(self.spilling.values())),
+            promoting=len(set(self.promoting.values())),
             holdings_unsent=sum(len(r.ops) for r in self.servers.values()),
         )
         return out
