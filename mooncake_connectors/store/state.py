@@ -41,6 +41,11 @@ from .records import (
 
 log = logging.getLogger(__name__)
 RECENT_COMMITS = 4096
+RESERVE_SHARE = 0.1  # of mounted memory, at most, held by reservations
+
+
+def _held(size: int, nrep: int) -> int:
+    return aligned(size) * max(1, nrep)
 
 
 class MasterState:
@@ -53,6 +58,7 @@ class MasterState:
         # its master failed over) is recognised and answered OK again
         self.recent: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
         self.reserved: dict[int, Pending] = {}  # reservation id -> allocation
+        self.reserved_bytes = 0  # memory the reservations hold (capped: eviction cannot free it)
         self.segments: dict[int, Segment] = {}
         self.seg_by_name: dict[str, Segment] = {}
         self.servers: dict[str, Server] = {}
@@ -268,7 +274,8 @@ class MasterState:
                 placed = self._place(size, nrep, preferred)
                 if placed is not None:
                     return placed
-        return Code.BUSY if spilling else Code.NO_SPACE
+        # spills still being written (this call's or earlier ones) free memory soon: retry
+        return Code.BUSY if spilling or self.spilling else Code.NO_SPACE
 
     def evict_to_watermark(self, now: float) -> int:
         return eviction.evict_to_watermark(self, now)
@@ -576,12 +583,22 @@ class MasterState:
     def reserve(
         self, size: int, nrep: int, now: float
     ) -> tuple[int, list[list[tuple[str, int]]]] | None:
-        """Allocate room for a future put (no eviction for it); None when there is none."""
+        """Allocate room for a future put (no eviction for it); None when there is none, or
+        when memory is tight: a reservation cannot be evicted (its client may be writing into it
+        until it expires), so reservations stay below the low watermark and a tenth of memory."""
+        cap = self.capacity()
+        need = aligned(size) * max(1, nrep)
+        if (
+            self.reserved_bytes + need > RESERVE_SHARE * cap
+            or self.used() + need > self.cfg.low_watermark * cap
+        ):
+            return None
         self._rr = (self._rr + 1) % max(1, len(self._order))
         placed = self._place(size, nrep, "")
         if placed is None:
             return None
         locs, got = placed
+        self.reserved_bytes += _held(size, got)
         rid = random.getrandbits(62) + 1
         self.reserved[rid] = Pending(rid, size, locs, got, 0, 0, now + self.cfg.put_lease_ttl)
         return rid, self._copies(locs, got)
@@ -600,6 +617,7 @@ class MasterState:
         ):
             return Code.EXISTS, p.nrep
         del self.reserved[rid]
+        self.reserved_bytes -= _held(p.size, p.nrep)
         p.flags, p.ttl_ms = flags, ttl_ms
         return self._commit(key, p, now), p.nrep
 
@@ -646,6 +664,7 @@ class MasterState:
             gone.append((rid, p))
         for rid, p in gone:
             del self.reserved[rid]
+            self.reserved_bytes -= _held(p.size, p.nrep)
             self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)
         tier.drop_late_files(self, now)
         while self._deferred and self._deferred[0][0] <= now:
