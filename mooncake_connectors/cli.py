@@ -449,6 +449,28 @@ def bench_store_memory(
     typer.echo(json.dumps(run_memory_benchmark(keys=keys, key_len=key_len, batch=batch), indent=2))
 
 
+@bench_app.command("store-ssd")
+def bench_store_ssd(
+    sizes: Annotated[str, typer.Option(help="Value sizes, comma-separated.")] = "256K,4M",
+    memory: Annotated[str, typer.Option(help="The store server's memory (SSD: 4x).")] = "64M",
+    ops: Annotated[int, typer.Option(min=8, help="Calls per case.")] = 200,
+    ssd_dir: Annotated[
+        str | None, typer.Option(help="Where the SSD files go (default: a temp directory).")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+) -> None:
+    """Gets served from the SSD tier (page cache warm and cold) against gets from memory."""
+    from .store.config import parse_size
+    from .store.ssd_bench import run_ssd_benchmark
+
+    result = run_ssd_benchmark(
+        [parse_size(s) for s in sizes.split(",") if s.strip()], parse_size(memory), ops, ssd_dir
+    )
+    _emit(result, output)
+
+
 @bench_app.command("sglang")
 def bench_sglang(
     rounds: Annotated[int, typer.Option(min=1, max=100, help="Measured rounds (+1 warm-up).")] = 3,
