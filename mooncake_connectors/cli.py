@@ -165,6 +165,13 @@ def master(
     promote_hits: Annotated[
         int, typer.Option(help="Reads from SSD before an object is promoted to memory (0: never).")
     ] = 1,
+    auth_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
+            help="Shared secret every control connection must prove (>= 8 characters).",
+        ),
+    ] = None,
     verbose: Verbose = 0,
 ) -> None:
     """Run the store master (metadata and allocation only) in the foreground."""
@@ -188,6 +195,7 @@ def master(
         heartbeat_interval=heartbeat_interval,
         server_ttl=server_ttl,
         promote_hits=promote_hits,
+        auth_token=auth_token,
     )
     m = Master(cfg).start()
     typer.echo(json.dumps({"master": m.address, "metrics_port": m.metrics_port}), err=True)
@@ -211,6 +219,13 @@ def store_server(
     metadata: Annotated[
         str | None, typer.Option(help="Override the engines' metadata backend.")
     ] = None,
+    auth_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
+            help="Shared secret every control connection must prove (>= 8 characters).",
+        ),
+    ] = None,
     verbose: Verbose = 0,
 ) -> None:
     """Contribute memory (and SSD) to the store and hold the data, in the foreground."""
@@ -228,6 +243,7 @@ def store_server(
         ssd_dir=ssd_dir,
         ssd_size=parse_size(ssd_size),
         metadata=metadata,
+        auth_token=auth_token,
     )
     server = StoreServer(cfg).start()
     typer.echo(json.dumps({"segment": server.segment, "pid": os.getpid()}), err=True)

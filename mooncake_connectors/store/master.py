@@ -118,6 +118,7 @@ class Master:
             tick=self._tick,
             max_frame=cfg.max_frame,
             name="mc-store-master",
+            token=cfg.auth_token,
         )
         self.rpc.start()
         if cfg.metrics_port is not None:

@@ -16,6 +16,8 @@ sender an ``Err`` reply, never the master.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from typing import Annotated, Union
 
@@ -54,6 +56,7 @@ class Code(enum.IntEnum):
     PROTOCOL = -1103
     UNKNOWN_CLIENT = -1104
     BUSY = -1105
+    UNAUTHORIZED = -1106  # no or a wrong shared token; the connection is closed
 
 
 Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY)]
@@ -179,6 +182,15 @@ class Stats(Msg, tag="stats"):
     pass
 
 
+# -- authentication (the first requests on a connection to a port that has a token) ---------
+class AuthStart(Msg, tag="auth?"):
+    pass
+
+
+class Auth(Msg, tag="auth"):
+    mac: Annotated[bytes, Meta(max_length=64)]  # HMAC-SHA256(token, "mcst-auth" + nonce)
+
+
 # -- requests to a store server's load endpoint --------------------------------------------
 class Load(Msg, tag="load"):
     file_id: int
@@ -207,6 +219,8 @@ Request = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     Stats,
     Load,
     Release,
+    AuthStart,
+    Auth,
 ]
 
 
@@ -276,6 +290,11 @@ class StatsOk(Msg, tag="stats_ok"):
     stats: dict[str, float]
 
 
+class Challenge(Msg, tag="challenge"):
+    nonce: bytes  # empty: this port requires no token
+    required: bool
+
+
 class Loaded(Msg, tag="loaded"):
     addr: int
     token: int
@@ -310,6 +329,7 @@ Reply = Union[  # noqa: UP007
     Bools,
     Count,
     StatsOk,
+    Challenge,
     Loaded,
     Hold,
     Spill,
@@ -325,6 +345,11 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 def frame(msg: Msg, req_id: int, flags: int = 0, version: int = PROTOCOL_VERSION) -> bytes:
     body = encoder.encode(msg)
     return PREFIX.pack(HEADER.size + len(body)) + HEADER.pack(MAGIC, version, flags, req_id) + body
+
+
+def auth_mac(token: str, nonce: bytes) -> bytes:
+    """The answer to a challenge: proves the token without sending it (a nonce is used once)."""
+    return hmac.new(token.encode(), b"mcst-auth" + nonce, hashlib.sha256).digest()
 
 
 def stripe_bounds(size: int, nst: int) -> list[tuple[int, int]]:

@@ -43,9 +43,15 @@ class _Stripe:
 
 class Reader:
     def __init__(
-        self, engine: TransferEngine, replica_timeout: float, link: MasterLink, rpc_timeout: float
+        self,
+        engine: TransferEngine,
+        replica_timeout: float,
+        link: MasterLink,
+        rpc_timeout: float,
+        token: str | None = None,
     ) -> None:
         self.engine = engine
+        self.token = token
         self.replica_timeout = replica_timeout
         self.rpc_timeout = rpc_timeout
         self._host = host_id()
@@ -147,7 +153,7 @@ class Reader:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = Channel(endpoint, self.rpc_timeout)
+            ch = chans[endpoint] = Channel(endpoint, self.rpc_timeout, self.token)
             with self._lock:
                 self._channels.append(ch)
         return ch

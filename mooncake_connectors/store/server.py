@@ -86,7 +86,7 @@ class StoreServer:
         self._ch: Channel | None = None
         self.heartbeat = 1.0
         self.registrations = 0  # how many times it mounted (1 + re-registrations)
-        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout)
+        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token)
 
     @property
     def segment(self) -> str:
@@ -113,7 +113,12 @@ class StoreServer:
                 self._bounce = self.engine.allocate_buffer(cfg.bounce_size)
                 self._bounce_alloc = RangeAllocator(cfg.bounce_size)
                 self._loads = FrameServer(
-                    cfg.host, 0, self._handle_load, tick=self._expire_loans, name="mc-store-load"
+                    cfg.host,
+                    0,
+                    self._handle_load,
+                    tick=self._expire_loans,
+                    name="mc-store-load",
+                    token=cfg.auth_token,
                 ).start()
             self._register(deadline + cfg.rpc_timeout)
         except BaseException:
@@ -165,7 +170,7 @@ class StoreServer:
             address = self.link.address()
             if address is not None:
                 try:
-                    return Channel(address, self.cfg.rpc_timeout)
+                    return Channel(address, self.cfg.rpc_timeout, self.cfg.auth_token)
                 except OSError as exc:
                     log.debug("connect to master %s failed: %s", address, exc)
                     self.link.invalidate()
