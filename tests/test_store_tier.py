@@ -247,3 +247,20 @@ def test_promote_hits_is_validated(bad: int) -> None:
 
     with pytest.raises(ConfigError):
         MasterConfig(promote_hits=bad)
+
+
+def test_a_damaged_file_drops_its_object_from_ssd() -> None:
+    s = make(2, promote_hits=0)
+    assert put(s, "big", 200_000) == Code.OK
+    from mooncake_connectors.store import eviction
+
+    eviction.evict(s, "big", 1.0)
+    answer_spills(s)
+    disk = s.objects["big"].extra.disk  # type: ignore[union-attr]
+    assert disk is not None
+    cid, fid = disk[1]
+    s.file_lost(s.servers[cid], fid)
+    assert "big" not in s.objects and s.exists(["big"], 2.0) == [False]
+    assert s.counters["ssd_damaged"] == 1 and s.counters["ssd_drops"] == 0
+    assert s.stats()["ssd_used_bytes"] == 0  # every stripe's file goes
+    s.file_lost(s.servers[cid], fid)  # a repeated report is harmless

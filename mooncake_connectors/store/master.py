@@ -33,6 +33,7 @@ from .protocol import (
     DropFiles,
     Err,
     Exists,
+    FilesLost,
     Get,
     Heartbeat,
     Hello,
@@ -95,6 +96,7 @@ class Master:
             Report: self._report,
             SpillDone: self._spill_done,
             Promoted: self._promoted,
+            FilesLost: self._files_lost,
             Stats: self._stats,
         }
 
@@ -324,6 +326,13 @@ class Master:
     def _spill_done(self, conn: Conn, msg: SpillDone, now: float) -> Msg:
         for fid, ok in msg.results:
             self.state.spill_done(msg.client_id, fid, ok, now)
+        return Ok()
+
+    def _files_lost(self, conn: Conn, msg: FilesLost, now: float) -> Msg:
+        rec = self.state.servers.get(msg.client_id)
+        if rec is not None:
+            for fid in msg.file_ids:
+                self.state.file_lost(rec, fid)
         return Ok()
 
     def _promoted(self, conn: Conn, msg: Promoted, now: float) -> Msg:

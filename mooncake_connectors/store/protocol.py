@@ -178,6 +178,13 @@ class Promoted(Msg, tag="promoted"):
     results: list[tuple[int, bool]]  # (file id, read back into memory and checksum-verified)
 
 
+class FilesLost(Msg, tag="lost"):
+    """SSD files a server found damaged (bad checksum, length or header): their objects are gone."""
+
+    client_id: Id
+    file_ids: Annotated[list[int], Meta(max_length=MAX_BATCH)]
+
+
 class Stats(Msg, tag="stats"):
     pass
 
@@ -216,6 +223,7 @@ Request = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     Report,
     SpillDone,
     Promoted,
+    FilesLost,
     Stats,
     Load,
     Release,

@@ -33,6 +33,7 @@ from .protocol import (
     Code,
     DropFiles,
     Err,
+    FilesLost,
     Heartbeat,
     Hello,
     HelloOk,
@@ -81,6 +82,7 @@ class StoreServer:
         self._jobs: queue.SimpleQueue[Msg | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
         self._promoted: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._damaged: queue.SimpleQueue[int] = queue.SimpleQueue()  # file ids failing checks
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._ch: Channel | None = None
@@ -239,6 +241,11 @@ class StoreServer:
                     results.append(self._promoted.get())
                 if results:
                     ch.notify(Promoted(self.client_id, results))
+                damaged = []
+                while not self._damaged.empty():
+                    damaged.append(self._damaged.get())
+                if damaged:
+                    ch.notify(FilesLost(self.client_id, damaged))
                 if time.monotonic() >= next_hb:
                     reply = self._call(Heartbeat(self.client_id))
                     if isinstance(reply, Err) and reply.code == Code.UNKNOWN_CLIENT:
@@ -298,13 +305,12 @@ class StoreServer:
                     self._results.put((fid, bool(ok)))
             elif isinstance(job, Promote):
                 for fid, addr, size in job.items:
-                    ok = (
-                        self.ssd is not None
-                        and self._inside(addr, size)
-                        and self.ssd.read_into(fid, view(addr, size) if size else memoryview(b""))
-                        == size
-                    )
-                    self._promoted.put((fid, bool(ok)))
+                    n = -1
+                    if self.ssd is not None and self._inside(addr, size):
+                        n = self.ssd.read_into(fid, view(addr, size) if size else memoryview(b""))
+                    if n == CORRUPT:
+                        self._damaged.put(fid)
+                    self._promoted.put((fid, n == size))
             elif isinstance(job, DropFiles) and self.ssd is not None:
                 for fid in job.file_ids:
                     self.ssd.delete(fid)
@@ -326,6 +332,8 @@ class StoreServer:
             n = ssd.read_into(msg.file_id, view(bounce.addr + off, msg.size)) if msg.size else 0
             if n != msg.size:
                 alloc.release(off, msg.size)
+                if n == CORRUPT:  # the master drops the object: later reads are plain misses
+                    self._damaged.put(msg.file_id)
                 why = "is damaged (checksum or length)" if n == CORRUPT else "does not exist"
                 return Err(int(Code.NOT_FOUND), f"SSD file {msg.file_id:x} {why}")
             token = next(self._tokens)

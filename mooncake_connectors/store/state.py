@@ -91,6 +91,7 @@ class MasterState:
                 "spills",
                 "spill_failures",
                 "ssd_drops",
+                "ssd_damaged",
                 "ssd_hits",
                 "promotions",
                 "promotion_failures",
@@ -282,6 +283,11 @@ class MasterState:
 
     def spill_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
         tier.spill_done(self, client_id, fid, ok, now)
+
+    def file_lost(self, rec: Server, fid: int) -> None:
+        """``rec`` found file ``fid`` damaged: its object is gone (reads are plain misses)."""
+        if fid in rec.disk:
+            tier.drop_file_owner(self, rec, fid, "ssd_damaged")
 
     def promote_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
         tier.promote_done(self, client_id, fid, ok, now)

@@ -166,11 +166,11 @@ def release_disk(
         st.dirty.add(rec)
 
 
-def drop_file_owner(st: MasterState, rec: Server, fid: int) -> None:
-    """Make room on ``rec``'s SSD: drop the object owning file ``fid`` from SSD (all stripes:
-    without one of them the others are useless)."""
+def drop_file_owner(st: MasterState, rec: Server, fid: int, counter: str = "ssd_drops") -> None:
+    """Drop the object owning file ``fid`` on ``rec``'s SSD from SSD (all stripes: without one
+    of them the others are useless): to make room, or because the file is damaged."""
     key = rec.disk[fid][0]
-    st.counters["ssd_drops"] += 1
+    st.counters[counter] += 1
     obj = st.objects.get(key)
     ex = obj.extra if obj is not None else None
     if obj is None or ex is None or ex.disk is None or (rec.client_id, fid) not in ex.disk:
