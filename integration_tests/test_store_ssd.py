@@ -237,3 +237,30 @@ def test_damaged_ssd_files_read_as_misses_not_wrong_bytes(
     assert c.stats()["ssd_damaged"] > 0
     c.put("after", b"ok")
     assert c.get("after") == b"ok"
+
+
+def test_restarted_master_rebuilds_objects_on_ssd_from_the_servers(tmp_path: Path) -> None:
+    master_args = (*FAST, "--stripe-size", "256K", "--promote-hits", "0")
+    m, addr = start_master(*master_args)
+    port = int(addr.rsplit(":", 1)[1])
+    dirs = [tmp_path / f"ssd{i}" for i in range(2)]
+    servers = [start_server(addr, "4M", "--ssd-dir", str(d), "--ssd-size", str(SSD)) for d in dirs]
+    try:
+        with client(addr, timeout=30.0) as c:
+            wait_servers(c, 2)
+            vals = fill(c)
+            spilled = c.stats()["ssd_used_bytes"]
+            assert spilled > 0
+            wait_until(lambda: c.stats()["holdings_unsent"] == 0, 10, "holdings to reach servers")
+            m.kill()
+            m, _ = start_master(*master_args, port=port)
+            wait_servers(c, 2)
+            # every stripe's disk copy was re-reported by the server holding it
+            wait_until(lambda: c.stats()["ssd_used_bytes"] == spilled, 30, "disk copies back")
+            got = c.get_batch(list(vals))
+            assert got == list(vals.values())
+            assert c.stats()["ssd_hits"] > 0
+    finally:
+        for s in servers:
+            s.close()
+        m.close()
