@@ -159,40 +159,59 @@ class Reader:
         return ch
 
     def _load(self, loc: Loc, dest: int, deadline: float) -> StoreError | None:
-        """Have each stripe's server read its SSD file into registered memory (the file's
-        checksum is checked there), then read every stripe from there in one batch."""
+        """Have each stripe's server read its SSD file into registered memory (checking the
+        file's checksum), then read every stripe from there in one batch. The load requests of
+        all stripes are in flight at once, so a striped object's servers read in parallel."""
         assert loc.disk is not None
         bounds = stripe_bounds(loc.size, len(loc.disk))
         loans: list[tuple[Channel, int]] = []
         reqs: list[TransferRequest] = []
+        error: StoreError | None = None
         try:
-            for (endpoint, segment, fid), (off, n) in zip(loc.disk, bounds, strict=True):
-                ch = self._channel(endpoint)
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return ReplicaUnavailable("SSD load deadline passed", code=-800)
-                    reply = ch.call(Load(fid, n), min(left, self.rpc_timeout))
-                    if isinstance(reply, Err) and reply.code == Code.BUSY:
-                        time.sleep(0.01)
-                        continue
+            todo = list(range(len(loc.disk)))
+            while todo and error is None:
+                if deadline <= time.monotonic():
+                    error = ReplicaUnavailable("SSD load deadline passed", code=-800)
                     break
-                if not isinstance(reply, Loaded):
-                    msg = reply.message if isinstance(reply, Err) else type(reply).__name__
-                    return ReplicaUnavailable(f"SSD copy unavailable: {msg}", code=-704)
-                loans.append((ch, reply.token))
-                if n:
-                    reqs.append(TransferRequest(_READ, segment, dest + off, reply.addr, n))
-            if reqs:
+                sent = []
+                for s in todo:
+                    endpoint, _, fid = loc.disk[s]
+                    ch = self._channel(endpoint)
+                    sent.append((s, ch, ch.send(Load(fid, bounds[s][1]), self.rpc_timeout)))
+                busy = []
+                for s, ch, rid in sent:  # collect every reply: a loan must not be left behind
+                    reply = ch.wait(rid, min(deadline, time.monotonic() + self.rpc_timeout))
+                    if isinstance(reply, Loaded):
+                        loans.append((ch, reply.token))
+                        off, n = bounds[s]
+                        if n:
+                            seg = loc.disk[s][1]
+                            reqs.append(TransferRequest(_READ, seg, dest + off, reply.addr, n))
+                    elif isinstance(reply, Err) and reply.code == Code.BUSY:
+                        busy.append(s)
+                    elif error is None:
+                        why = reply.message if isinstance(reply, Err) else type(reply).__name__
+                        error = ReplicaUnavailable(f"SSD copy unavailable: {why}", code=-704)
+                todo = busy
+                if busy and error is None:
+                    time.sleep(0.01)  # a bounce buffer is full; loans end within milliseconds
+            if reqs and error is None:
                 left = max(0.001, deadline - time.monotonic())
                 self.engine.transfer(coalesce(reqs), timeout=left)
         except (OSError, MooncakeConnectorsError) as exc:
-            return ReplicaUnavailable(f"SSD copy unreadable: {exc}", code=-800)
+            error = ReplicaUnavailable(f"SSD copy unreadable: {exc}", code=-800)
         finally:
             for ch, token in loans:
                 with contextlib.suppress(OSError):  # else the loan expires on the server
                     ch.notify(Release(token))
-        return None
+            for ch in {ch for _, ch in self._local_channels()}:
+                if ch.in_flight:  # replies nobody will collect: start that channel afresh
+                    ch.close()
+        return error
+
+    def _local_channels(self) -> list[tuple[str, Channel]]:
+        chans: dict[str, Channel] | None = getattr(self._local, "chans", None)
+        return list(chans.items()) if chans else []
 
     def close(self) -> None:
         with self._lock:

@@ -404,6 +404,9 @@ class Channel:
         self.rbuf = bytearray()
         self.pushes: collections.deque[Msg] = collections.deque()
         self.closed = False
+        # replies to requests sent with send() and not yet collected with wait()
+        self._outstanding: set[int] = set()
+        self._replies: dict[int, Msg] = {}
         if token:
             try:
                 self._authenticate(token, timeout)
@@ -441,6 +444,44 @@ class Channel:
             elif r_id == 0 and isinstance(reply, Err):
                 raise ProtocolError(reply.message, peer=self.address)
             # else: a late reply to an abandoned call; drop it
+
+    @property
+    def in_flight(self) -> bool:
+        """Requests sent with ``send`` whose replies were not collected."""
+        return bool(self._outstanding)
+
+    def send(self, msg: Msg, timeout: float) -> int:
+        """Send a request without waiting: several may be in flight; ``wait`` collects each."""
+        rid = next(self._ids)
+        self._send(frame(msg, rid), timeout)
+        self._outstanding.add(rid)
+        return rid
+
+    def wait(self, rid: int, deadline: float) -> Msg:
+        """The reply to request ``rid`` (from ``send``); TimeoutError at the deadline."""
+        try:
+            got = self._replies.pop(rid, None)
+            while got is None:
+                frame_ = self._read_frame(deadline)
+                if frame_ is None:
+                    raise TimeoutError(f"no reply from {self.address} in time")
+                r_id, flags, reply = frame_
+                if flags & FLAG_PUSH:
+                    self.pushes.append(reply)
+                elif r_id == rid:
+                    got = reply
+                elif r_id in self._outstanding:
+                    self._replies[r_id] = reply
+                elif r_id == 0 and isinstance(reply, Err):
+                    raise ProtocolError(reply.message, peer=self.address)
+        finally:
+            self._outstanding.discard(rid)
+        if isinstance(got, Err) and got.code == Code.UNAUTHORIZED:
+            self.close()
+            raise AuthenticationError(
+                f"{self.address} refused us: {got.message}", peer=self.address
+            )
+        return got
 
     def notify(self, msg: Msg, timeout: float = 5.0) -> None:
         self._send(frame(msg, next(self._ids), FLAG_NOTIFY), timeout)
