@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -194,7 +193,8 @@ def test_killed_server_with_objects_on_ssd_and_spills_in_flight_reads_as_misses(
 
     t = threading.Thread(target=more, daemon=True)
     t.start()
-    time.sleep(0.05)
+    # kill it while spills are being written (or, on a fast machine, right after the puts)
+    wait_until(lambda: c.stats()["spilling"] > 0 or done.is_set(), 60, "a spill in flight")
     procs[2].kill()  # the second store server, SIGKILL
     wait_until(done.is_set, 60, "the puts to end")
     t.join(timeout=5)
