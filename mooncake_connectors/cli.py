@@ -218,6 +218,16 @@ def master(
     read_lease_ttl: Annotated[float, typer.Option(help="Seconds a get protects.")] = 5.0,
     heartbeat_interval: Annotated[float, typer.Option(help="Server heartbeat period.")] = 1.0,
     server_ttl: Annotated[float, typer.Option(help="Silence before a server is dead.")] = 5.0,
+    promote_hits: Annotated[
+        int, typer.Option(help="Reads from SSD before an object is promoted to memory (0: never).")
+    ] = 1,
+    auth_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
+            help="Shared secret every control connection must prove (>= 8 characters).",
+        ),
+    ] = None,
     verbose: Verbose = 0,
 ) -> None:
     """Run the store master (metadata and allocation only) in the foreground."""
@@ -240,6 +250,8 @@ def master(
         read_lease_ttl=read_lease_ttl,
         heartbeat_interval=heartbeat_interval,
         server_ttl=server_ttl,
+        promote_hits=promote_hits,
+        auth_token=auth_token,
     )
     m = Master(cfg).start()
     typer.echo(json.dumps({"master": m.address, "metrics_port": m.metrics_port}), err=True)
@@ -263,6 +275,13 @@ def store_server(
     metadata: Annotated[
         str | None, typer.Option(help="Override the engines' metadata backend.")
     ] = None,
+    auth_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
+            help="Shared secret every control connection must prove (>= 8 characters).",
+        ),
+    ] = None,
     verbose: Verbose = 0,
 ) -> None:
     """Contribute memory (and SSD) to the store and hold the data, in the foreground."""
@@ -280,6 +299,7 @@ def store_server(
         ssd_dir=ssd_dir,
         ssd_size=parse_size(ssd_size),
         metadata=metadata,
+        auth_token=auth_token,
     )
     server = StoreServer(cfg).start()
     typer.echo(json.dumps({"segment": server.segment, "pid": os.getpid()}), err=True)
@@ -499,6 +519,28 @@ def bench_store_memory(
     from .store.memory_bench import run_memory_benchmark
 
     typer.echo(json.dumps(run_memory_benchmark(keys=keys, key_len=key_len, batch=batch), indent=2))
+
+
+@bench_app.command("store-ssd")
+def bench_store_ssd(
+    sizes: Annotated[str, typer.Option(help="Value sizes, comma-separated.")] = "256K,4M",
+    memory: Annotated[str, typer.Option(help="The store server's memory (SSD: 4x).")] = "64M",
+    ops: Annotated[int, typer.Option(min=8, help="Calls per case.")] = 200,
+    ssd_dir: Annotated[
+        str | None, typer.Option(help="Where the SSD files go (default: a temp directory).")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+) -> None:
+    """Gets served from the SSD tier (page cache warm and cold) against gets from memory."""
+    from .store.config import parse_size
+    from .store.ssd_bench import run_ssd_benchmark
+
+    result = run_ssd_benchmark(
+        [parse_size(s) for s in sizes.split(",") if s.strip()], parse_size(memory), ops, ssd_dir
+    )
+    _emit(result, output)
 
 
 @bench_app.command("sglang")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -156,3 +157,17 @@ def test_loopback_peers_take_the_unix_socket_and_tcp_still_works(master: Master)
     with raw(master) as s:  # plain TCP, as a remote peer connects
         s.sendall(frame(Exists(["k"]), 9))
         assert s.recv(65536)
+
+
+def test_pipelined_requests_are_collected_in_any_order(master: Master) -> None:
+    ch = Channel(master.address, 5.0)
+    try:
+        rids = [ch.send(Exists([f"k{i}"]), 5.0) for i in range(5)]
+        assert ch.in_flight
+        deadline = time.monotonic() + 5.0
+        for rid in reversed(rids):  # the last first: the others are kept until asked for
+            assert not isinstance(ch.wait(rid, deadline), Err)
+        assert not ch.in_flight
+        assert not isinstance(ch.call(Exists(["x"]), 5.0), Err)  # and plain calls still work
+    finally:
+        ch.close()

@@ -87,7 +87,7 @@ class StoreClient:
         self.client_id = f"client-{uuid.uuid4().hex[:12]}"
         self.engine: TransferEngine | None = None
         self.server: Any = None  # the embedded StoreServer, if any
-        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout)
+        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token)
         self.stripe_size = 0
         self.put_lease = 60.0
         self._staging: Staging | None = None
@@ -116,7 +116,9 @@ class StoreClient:
         try:
             self._staging = Staging(self.engine, cfg.local_buffer_size)
 
-            self._reader = Reader(self.engine, cfg.replica_timeout, self.link, cfg.rpc_timeout)
+            self._reader = Reader(
+                self.engine, cfg.replica_timeout, self.link, cfg.rpc_timeout, cfg.auth_token
+            )
             # Registering memory re-publishes this engine's descriptor and makes peers that read
             # from it re-fetch: only for a pure client whose metadata is local (p2p, memory).
             self._direct = (
@@ -135,6 +137,7 @@ class StoreClient:
                     memory=cfg.global_segment_size,
                     host=cfg.host,
                     rpc_timeout=cfg.rpc_timeout,
+                    auth_token=cfg.auth_token,
                 )
                 self.server = StoreServer(
                     scfg, engine=self.engine, client_id=self.client_id + "-seg"

@@ -57,6 +57,11 @@ def _positive(obj: object, *names: str) -> None:
             raise ConfigError(f"{name} must be > 0, got {value!r}")
 
 
+def _check_token(token: str | None) -> None:
+    if token is not None and len(token) < 8:
+        raise ConfigError("auth_token must be at least 8 characters")
+
+
 @dataclasses.dataclass(frozen=True)
 class MasterConfig:
     """The metadata service.
@@ -73,6 +78,9 @@ class MasterConfig:
     unmounted. soft_pin_ttl: how long a soft pin lasts. ha: ``etcd://HOST:PORT/PREFIX`` to elect
     a leader among several masters; ha_lease_ttl is the leader key's lease; advertise is the
     address written there (default host:port). max_frame: larger control frames are refused.
+    promote_hits: an object spilled to SSD is brought back into memory on its n-th read from SSD
+    when that fits below the high watermark (0: never; 1: on the first read). auth_token: a
+    shared secret every connection must prove (challenge/response) before any request.
     """
 
     host: str = "127.0.0.1"
@@ -91,8 +99,11 @@ class MasterConfig:
     ha_lease_ttl: float = 5.0
     advertise: str | None = None
     max_frame: int = 64 * MIB
+    promote_hits: int = 1
+    auth_token: str | None = None
 
     def __post_init__(self) -> None:
+        _check_token(self.auth_token)
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be a host name or address, got {self.host!r}")
         if not 0 <= self.port < 65536:
@@ -121,6 +132,8 @@ class MasterConfig:
             raise ConfigError(f"ha must be an etcd://HOST:PORT/PREFIX URL, got {self.ha!r}")
         if self.max_frame < 64 * KIB:
             raise ConfigError("max_frame must be at least 64 KiB")
+        if self.promote_hits < 0:
+            raise ConfigError(f"promote_hits must be >= 0, got {self.promote_hits}")
 
     @property
     def address(self) -> str:
@@ -138,6 +151,7 @@ class ServerConfig:
     ssd_dir/ssd_size: where and how much evicted data is spilled instead of dropped.
     bounce_size: registered memory through which SSD reads are served to clients.
     metadata: override the engines' metadata backend the master announces.
+    auth_token: the master's shared secret; the server's load endpoint requires it too.
     """
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
@@ -149,9 +163,11 @@ class ServerConfig:
     metadata: str | None = None
     transports: tuple[str, ...] = ("shm", "tcp")
     rpc_timeout: float = 5.0
+    auth_token: str | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
+        _check_token(self.auth_token)
         if not 0 < self.memory <= MAX_SEGMENT_SIZE:
             raise ConfigError(f"memory must be in 1..1 TiB bytes, got {self.memory}")
         if (self.ssd_dir is None) != (self.ssd_size == 0):
@@ -175,6 +191,7 @@ class ClientConfig:
     registered staging memory for put/get of Python bytes (larger values use a temporary
     buffer). timeout: deadline of one store call. rpc_timeout: deadline of one control message.
     replica_timeout: deadline of one read attempt when another replica is left to try.
+    auth_token: the store's shared secret (master and store servers), if it has one.
     """
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
@@ -186,9 +203,11 @@ class ClientConfig:
     timeout: float = 20.0
     rpc_timeout: float = 5.0
     replica_timeout: float = 1.0
+    auth_token: str | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
+        _check_token(self.auth_token)
         if not 0 <= self.global_segment_size <= MAX_SEGMENT_SIZE:
             raise ConfigError(f"global_segment_size out of range: {self.global_segment_size}")
         if self.local_buffer_size < 4 * KIB:

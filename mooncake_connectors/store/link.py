@@ -23,8 +23,9 @@ _RETRY_PAUSE = 0.05
 
 
 class MasterLink:
-    def __init__(self, master: str, rpc_timeout: float) -> None:
+    def __init__(self, master: str, rpc_timeout: float, token: str | None = None) -> None:
         self.master = master
+        self.token = token
         self.rpc_timeout = rpc_timeout
         self._resolver = (
             LeaderResolver(master, rpc_timeout) if master.startswith("etcd://") else None
@@ -51,7 +52,7 @@ class MasterLink:
             ch.close()
             ch = None
         if ch is None:
-            ch = Channel(address, timeout)
+            ch = Channel(address, timeout, self.token)
             self._local.ch = ch
             with self._lock:
                 self._channels = [c for c in self._channels if not c.closed]

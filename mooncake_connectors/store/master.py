@@ -33,6 +33,7 @@ from .protocol import (
     DropFiles,
     Err,
     Exists,
+    FilesLost,
     Get,
     Heartbeat,
     Hello,
@@ -43,6 +44,8 @@ from .protocol import (
     MountOk,
     Msg,
     Ok,
+    Promote,
+    Promoted,
     PutEnd,
     PutReserved,
     PutStart,
@@ -92,6 +95,8 @@ class Master:
             RemoveAll: self._remove_all,
             Report: self._report,
             SpillDone: self._spill_done,
+            Promoted: self._promoted,
+            FilesLost: self._files_lost,
             Stats: self._stats,
         }
 
@@ -115,6 +120,7 @@ class Master:
             tick=self._tick,
             max_frame=cfg.max_frame,
             name="mc-store-master",
+            token=cfg.auth_token,
         )
         self.rpc.start()
         if cfg.metrics_port is not None:
@@ -177,7 +183,9 @@ class Master:
             return Err(int(Code.INVALID), f"{type(msg).__name__} is not a master request")
         reply = handler(conn, msg, time.monotonic())
         dirty = self.state.dirty
-        if dirty and (self._sync_holdings or any(r.spills or r.dropfiles for r in dirty)):
+        if dirty and (
+            self._sync_holdings or any(r.spills or r.dropfiles or r.promotes for r in dirty)
+        ):
             self._flush()
         return reply
 
@@ -200,6 +208,9 @@ class Master:
             if rec.dropfiles:
                 rpc.push(conn, DropFiles(rec.dropfiles))
                 rec.dropfiles = []
+            if rec.promotes:
+                rpc.push(conn, Promote(rec.promotes))
+                rec.promotes = []
         self.state.dirty = keep
 
     # -- handlers ---------------------------------------------------------------------------
@@ -245,7 +256,7 @@ class Master:
         rec.last_seen = now
         rec.conn = conn
         conn.data = rec
-        if rec.ops or rec.spills or rec.dropfiles:
+        if rec.ops or rec.spills or rec.dropfiles or rec.promotes:
             self.state.dirty.add(rec)
         return Ok()
 
@@ -313,10 +324,20 @@ class Master:
         return Ok()
 
     def _spill_done(self, conn: Conn, msg: SpillDone, now: float) -> Msg:
+        for fid, ok in msg.results:
+            self.state.spill_done(msg.client_id, fid, ok, now)
+        return Ok()
+
+    def _files_lost(self, conn: Conn, msg: FilesLost, now: float) -> Msg:
         rec = self.state.servers.get(msg.client_id)
         if rec is not None:
-            for fid, ok in msg.results:
-                self.state.spill_done(rec, fid, ok, now)
+            for fid in msg.file_ids:
+                self.state.file_lost(rec, fid)
+        return Ok()
+
+    def _promoted(self, conn: Conn, msg: Promoted, now: float) -> Msg:
+        for fid, ok in msg.results:
+            self.state.promote_done(msg.client_id, fid, ok, now)
         return Ok()
 
     def _stats(self, conn: Conn, msg: Stats, now: float) -> Msg:

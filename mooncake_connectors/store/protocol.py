@@ -16,6 +16,8 @@ sender an ``Err`` reply, never the master.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from typing import Annotated, Union
 
@@ -24,7 +26,7 @@ from msgspec import Meta, Struct
 
 from .config import MAX_OBJECT_SIZE, MAX_REPLICAS, MAX_SEGMENT_SIZE
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-stripe SSD copies (Loc.disk is a list), promotions
 MAGIC = b"MS"
 PREFIX = struct.Struct("<I")
 HEADER = struct.Struct("<2sBBQ")
@@ -32,6 +34,9 @@ FLAG_NOTIFY = 1
 FLAG_PUSH = 2
 MAX_KEY = 4096
 MAX_BATCH = 1 << 16
+# Bytes an SSD file spends on its header (magic, version, length, CRC32): the master counts them
+# against a server's SSD budget exactly as the server does.
+SSD_HEADER = 32
 
 
 class Code(enum.IntEnum):
@@ -51,6 +56,7 @@ class Code(enum.IntEnum):
     PROTOCOL = -1103
     UNKNOWN_CLIENT = -1104
     BUSY = -1105
+    UNAUTHORIZED = -1106  # no or a wrong shared token; the connection is closed
 
 
 Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY)]
@@ -167,8 +173,29 @@ class SpillDone(Msg, tag="spilled"):
     results: list[tuple[int, bool]]  # (file id, written)
 
 
+class Promoted(Msg, tag="promoted"):
+    client_id: Id
+    results: list[tuple[int, bool]]  # (file id, read back into memory and checksum-verified)
+
+
+class FilesLost(Msg, tag="lost"):
+    """SSD files a server found damaged (bad checksum, length or header): their objects are gone."""
+
+    client_id: Id
+    file_ids: Annotated[list[int], Meta(max_length=MAX_BATCH)]
+
+
 class Stats(Msg, tag="stats"):
     pass
+
+
+# -- authentication (the first requests on a connection to a port that has a token) ---------
+class AuthStart(Msg, tag="auth?"):
+    pass
+
+
+class Auth(Msg, tag="auth"):
+    mac: Annotated[bytes, Meta(max_length=64)]  # HMAC-SHA256(token, "mcst-auth" + nonce)
 
 
 # -- requests to a store server's load endpoint --------------------------------------------
@@ -195,9 +222,13 @@ Request = Union[  # noqa: UP007 - msgspec needs a runtime Union of tagged struct
     RemoveAll,
     Report,
     SpillDone,
+    Promoted,
+    FilesLost,
     Stats,
     Load,
     Release,
+    AuthStart,
+    Auth,
 ]
 
 
@@ -243,7 +274,8 @@ class Committed(Msg, tag="committed"):
 class Loc(Struct, array_like=True):
     size: int
     stripes: list[list[Copy]]  # per stripe: live copies, any order
-    disk: tuple[str, str, int] | None = None  # (load endpoint, segment, file id)
+    # on SSD instead: per stripe (load endpoint, segment of that server, file id)
+    disk: list[tuple[str, str, int]] | None = None
 
 
 class Locs(Msg, tag="locs"):
@@ -266,6 +298,11 @@ class StatsOk(Msg, tag="stats_ok"):
     stats: dict[str, float]
 
 
+class Challenge(Msg, tag="challenge"):
+    nonce: bytes  # empty: this port requires no token
+    required: bool
+
+
 class Loaded(Msg, tag="loaded"):
     addr: int
     token: int
@@ -284,6 +321,10 @@ class DropFiles(Msg, tag="dropfiles"):
     file_ids: list[int]
 
 
+class Promote(Msg, tag="promote"):
+    items: list[tuple[int, int, int]]  # (file id, address in the server's segment, size)
+
+
 Reply = Union[  # noqa: UP007
     Err,
     Ok,
@@ -296,10 +337,12 @@ Reply = Union[  # noqa: UP007
     Bools,
     Count,
     StatsOk,
+    Challenge,
     Loaded,
     Hold,
     Spill,
     DropFiles,
+    Promote,
 ]
 
 encoder = msgspec.msgpack.Encoder()
@@ -310,6 +353,11 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 def frame(msg: Msg, req_id: int, flags: int = 0, version: int = PROTOCOL_VERSION) -> bytes:
     body = encoder.encode(msg)
     return PREFIX.pack(HEADER.size + len(body)) + HEADER.pack(MAGIC, version, flags, req_id) + body
+
+
+def auth_mac(token: str, nonce: bytes) -> bytes:
+    """The answer to a challenge: proves the token without sending it (a nonce is used once)."""
+    return hmac.new(token.encode(), b"mcst-auth" + nonce, hashlib.sha256).digest()
 
 
 def stripe_bounds(size: int, nst: int) -> list[tuple[int, int]]:
@@ -328,6 +376,7 @@ __all__ = [
     "HEADER",
     "PREFIX",
     "PROTOCOL_VERSION",
+    "SSD_HEADER",
     "Code",
     "Loc",
     "Msg",

@@ -6,12 +6,13 @@ just failed is tried last for a while. All stripes of all keys go out as one tra
 stripes that failed go out again to their next copy. One attempt
 waits ``replica_timeout`` plus time for its bytes at 100 MB/s, so a dead server costs a read
 that much, not its full deadline; when the last copy fails the key reads as a miss.
-Objects the master spilled to a server's SSD are loaded by that server into registered memory
-and read from there like any other copy.
+Objects the master spilled to SSD are loaded, stripe by stripe, by the servers holding the
+files into registered memory and read from there like any other copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -42,9 +43,15 @@ class _Stripe:
 
 class Reader:
     def __init__(
-        self, engine: TransferEngine, replica_timeout: float, link: MasterLink, rpc_timeout: float
+        self,
+        engine: TransferEngine,
+        replica_timeout: float,
+        link: MasterLink,
+        rpc_timeout: float,
+        token: str | None = None,
     ) -> None:
         self.engine = engine
+        self.token = token
         self.replica_timeout = replica_timeout
         self.rpc_timeout = rpc_timeout
         self._host = host_id()
@@ -146,37 +153,65 @@ class Reader:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = Channel(endpoint, self.rpc_timeout)
+            ch = chans[endpoint] = Channel(endpoint, self.rpc_timeout, self.token)
             with self._lock:
                 self._channels.append(ch)
         return ch
 
     def _load(self, loc: Loc, dest: int, deadline: float) -> StoreError | None:
-        """Have the server read its SSD copy into registered memory, then read it from there."""
+        """Have each stripe's server read its SSD file into registered memory (checking the
+        file's checksum), then read every stripe from there in one batch. The load requests of
+        all stripes are in flight at once, so a striped object's servers read in parallel."""
         assert loc.disk is not None
-        endpoint, segment, fid = loc.disk
+        bounds = stripe_bounds(loc.size, len(loc.disk))
+        loans: list[tuple[Channel, int]] = []
+        reqs: list[TransferRequest] = []
+        error: StoreError | None = None
         try:
-            ch = self._channel(endpoint)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return ReplicaUnavailable("SSD load deadline passed", code=-800)
-                reply = ch.call(Load(fid, loc.size), min(left, self.rpc_timeout))
-                if isinstance(reply, Err) and reply.code == Code.BUSY:
-                    time.sleep(0.01)
-                    continue
-                break
-            if not isinstance(reply, Loaded):
-                msg = reply.message if isinstance(reply, Err) else type(reply).__name__
-                return ReplicaUnavailable(f"SSD copy unavailable: {msg}", code=-704)
-            try:
-                if loc.size:
-                    self.engine.read(segment, dest, reply.addr, loc.size, timeout=left)
-            finally:
-                ch.notify(Release(reply.token))
+            todo = list(range(len(loc.disk)))
+            while todo and error is None:
+                if deadline <= time.monotonic():
+                    error = ReplicaUnavailable("SSD load deadline passed", code=-800)
+                    break
+                sent = []
+                for s in todo:
+                    endpoint, _, fid = loc.disk[s]
+                    ch = self._channel(endpoint)
+                    sent.append((s, ch, ch.send(Load(fid, bounds[s][1]), self.rpc_timeout)))
+                busy = []
+                for s, ch, rid in sent:  # collect every reply: a loan must not be left behind
+                    reply = ch.wait(rid, min(deadline, time.monotonic() + self.rpc_timeout))
+                    if isinstance(reply, Loaded):
+                        loans.append((ch, reply.token))
+                        off, n = bounds[s]
+                        if n:
+                            seg = loc.disk[s][1]
+                            reqs.append(TransferRequest(_READ, seg, dest + off, reply.addr, n))
+                    elif isinstance(reply, Err) and reply.code == Code.BUSY:
+                        busy.append(s)
+                    elif error is None:
+                        why = reply.message if isinstance(reply, Err) else type(reply).__name__
+                        error = ReplicaUnavailable(f"SSD copy unavailable: {why}", code=-704)
+                todo = busy
+                if busy and error is None:
+                    time.sleep(0.01)  # a bounce buffer is full; loans end within milliseconds
+            if reqs and error is None:
+                left = max(0.001, deadline - time.monotonic())
+                self.engine.transfer(coalesce(reqs), timeout=left)
         except (OSError, MooncakeConnectorsError) as exc:
-            return ReplicaUnavailable(f"SSD copy unreadable: {exc}", code=-800)
-        return None
+            error = ReplicaUnavailable(f"SSD copy unreadable: {exc}", code=-800)
+        finally:
+            for ch, token in loans:
+                with contextlib.suppress(OSError):  # else the loan expires on the server
+                    ch.notify(Release(token))
+            for ch in {ch for _, ch in self._local_channels()}:
+                if ch.in_flight:  # replies nobody will collect: start that channel afresh
+                    ch.close()
+        return error
+
+    def _local_channels(self) -> list[tuple[str, Channel]]:
+        chans: dict[str, Channel] | None = getattr(self._local, "chans", None)
+        return list(chans.items()) if chans else []
 
     def close(self) -> None:
         with self._lock:

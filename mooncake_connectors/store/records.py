@@ -14,6 +14,7 @@ MASK = (1 << SHIFT) - 1
 HARD = 1
 SOFT = 2
 SPILLING = 4
+PROMOTING = 8
 PIN = HARD | SOFT
 
 
@@ -28,7 +29,9 @@ class Obj(msgspec.Struct, gc=False):
 class Extra(msgspec.Struct, gc=False):
     ttl: float = 0.0  # monotonic expiry, 0 = none
     soft_until: float = 0.0
-    disk: tuple[str, int] | None = None  # (server client id, file id)
+    # on SSD: per stripe (server client id, file id); ("", -1) for a stripe not re-reported yet
+    disk: tuple[tuple[str, int], ...] | None = None
+    ssd_hits: int = 0  # reads served from SSD since it was spilled (promotion trigger)
 
 
 class Pending(msgspec.Struct, gc=False):
@@ -67,6 +70,7 @@ class Server:
         "last_seen",
         "ops",
         "parts",
+        "promotes",
         "segments",
         "spills",
         "ssd_size",
@@ -82,10 +86,12 @@ class Server:
         self.endpoint = ""
         self.ssd_size = 0
         self.ssd_used = 0
-        self.disk: dict[int, tuple[str, int]] = {}  # file id -> (key, bytes), oldest first
+        # file id -> (key, bytes counted against ssd_size), least recently read first
+        self.disk: dict[int, tuple[str, int]] = {}
         self.ops: list[Part | str] = []  # holdings delta to push
         self.spills: list[tuple[int, int, int]] = []
         self.dropfiles: list[int] = []
+        self.promotes: list[tuple[int, int, int]] = []
         self.parts: list[Part] | None = None  # re-reported holdings being collected
 
 

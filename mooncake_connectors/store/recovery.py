@@ -18,6 +18,7 @@ from .allocator import RangeAllocator, aligned
 from .protocol import Part, stripe_bounds
 from .records import PIN, SHIFT, SOFT, Extra, Obj, Segment, Server, pack
 from .state import MasterState
+from .tier import NO_FILE, ssd_bytes
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,12 @@ def rebuild(state: MasterState, rec: Server, now: float) -> int:
         else:
             fid = p.offset
             ex = obj.extra or Extra()
-            if ex.disk is not None:
+            disk = ex.disk if ex.disk is not None else (NO_FILE,) * p.nst
+            if len(disk) != p.nst or disk[p.sidx][1] >= 0:
                 continue
-            ex.disk = (rec.client_id, fid)
+            ex.disk = (*disk[: p.sidx], (rec.client_id, fid), *disk[p.sidx + 1 :])
             obj.extra = ex
-            need = aligned(p.size)
+            need = ssd_bytes(stripe_bounds(p.size, p.nst)[p.sidx][1])
             rec.disk[fid] = (p.key, need)
             rec.ssd_used += need
         accepted += 1

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
 import itertools
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -23,7 +25,7 @@ from typing import Any
 import msgspec
 
 from ..config import is_loopback
-from ..errors import ProtocolError
+from ..errors import AuthenticationError, ProtocolError
 from .config import split_hostport
 from .protocol import (
     FLAG_NOTIFY,
@@ -32,9 +34,14 @@ from .protocol import (
     MAGIC,
     PREFIX,
     PROTOCOL_VERSION,
+    Auth,
+    AuthStart,
+    Challenge,
     Code,
     Err,
     Msg,
+    Ok,
+    auth_mac,
     frame,
     reply_decoder,
     request_decoder,
@@ -43,6 +50,7 @@ from .protocol import (
 log = logging.getLogger(__name__)
 _HDR = PREFIX.size + HEADER.size
 _RECV = 65536  # below malloc's mmap threshold: a 1 MiB recv buffer costs an mmap per call
+_PRE_AUTH_FRAME = 4096  # the largest frame a connection may send before it authenticated
 
 
 def unix_name(host: str, port: int) -> str:
@@ -63,7 +71,18 @@ def _connect_unix(host: str, port: int, timeout: float) -> socket.socket | None:
 class Conn:
     """One accepted connection of a FrameServer."""
 
-    __slots__ = ("__weakref__", "closed", "closing", "data", "peer", "rbuf", "sock", "wbuf")
+    __slots__ = (
+        "__weakref__",
+        "authed",
+        "closed",
+        "closing",
+        "data",
+        "nonce",
+        "peer",
+        "rbuf",
+        "sock",
+        "wbuf",
+    )
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
@@ -73,6 +92,8 @@ class Conn:
         self.closed = False
         self.closing = False  # close once wbuf is flushed
         self.data: Any = None  # what the handler attaches (e.g. the server record)
+        self.authed = False
+        self.nonce = b""
 
 
 Handler = Callable[[Conn, Msg, int], "Msg | None"]
@@ -84,6 +105,12 @@ class FrameServer:
     ``tick()`` runs between events and returns the seconds until it wants to run again.
     ``on_close(conn)`` runs when a connection goes. ``push(conn, msg)`` (loop thread only) sends
     an unsolicited frame. ``call_soon(fn)`` runs ``fn`` in the loop thread (any thread may call).
+
+    With a ``token``, a connection must first prove it knows the token: ``AuthStart`` is answered
+    with a ``Challenge`` (a fresh random nonce), ``Auth`` must carry HMAC-SHA256(token, nonce).
+    Anything else first, or a wrong answer, gets an ``UNAUTHORIZED`` error and the connection is
+    closed; until then frames over 4 KiB are refused. Without a token the exchange is answered
+    "not required", so a client with a token talks to any server.
     """
 
     def __init__(
@@ -96,8 +123,10 @@ class FrameServer:
         on_close: Callable[[Conn], None] | None = None,
         max_frame: int = 64 << 20,
         name: str = "mc-store-rpc",
+        token: str | None = None,
     ) -> None:
         self.handler = handler
+        self.token = token
         self.tick = tick
         self.on_close = on_close
         self.max_frame = max_frame
@@ -228,8 +257,9 @@ class FrameServer:
         n = len(buf)
         while n - pos >= PREFIX.size and not conn.closing:
             (length,) = PREFIX.unpack_from(buf, pos)
-            if length > self.max_frame or length < HEADER.size:
-                self._refuse(conn, f"frame of {length} bytes refused (limit {self.max_frame})")
+            limit = self.max_frame if conn.authed or self.token is None else _PRE_AUTH_FRAME
+            if length > limit or length < HEADER.size:
+                self._refuse(conn, f"frame of {length} bytes refused (limit {limit})")
                 return
             end = pos + PREFIX.size + length
             if end > n:
@@ -261,7 +291,14 @@ class FrameServer:
                 except msgspec.DecodeError as exc:
                     reply = Err(int(Code.PROTOCOL), f"malformed request: {exc}")
                 else:
-                    reply = self.handler(conn, msg, flags)
+                    if self.token is not None and not conn.authed:
+                        reply = self._authenticate(conn, msg)
+                    elif isinstance(msg, AuthStart):
+                        reply = Challenge(b"", False)
+                    elif isinstance(msg, Auth):
+                        reply = Ok()
+                    else:
+                        reply = self.handler(conn, msg, flags)
         except Exception as exc:  # a handler bug must not take the service down
             log.exception("%s: handler failed", self.name)
             reply = Err(int(Code.INTERNAL), f"internal error: {type(exc).__name__}: {exc}")
@@ -269,6 +306,25 @@ class FrameServer:
             body.release()
         if reply is not None and not flags & FLAG_NOTIFY:
             self.send(conn, frame(reply, req_id))
+        if conn.closing and not conn.wbuf:
+            self._close(conn)
+
+    def _authenticate(self, conn: Conn, msg: Msg) -> Msg:
+        assert self.token is not None
+        if isinstance(msg, AuthStart):
+            conn.nonce = os.urandom(16)
+            return Challenge(conn.nonce, True)
+        if isinstance(msg, Auth) and conn.nonce:
+            if hmac.compare_digest(msg.mac, auth_mac(self.token, conn.nonce)):
+                conn.authed = True
+                conn.nonce = b""
+                return Ok()
+            why = "wrong token"
+        else:
+            why = "this port requires a token (--auth-token / MOONCAKE_CONNECTORS_STORE_TOKEN)"
+        log.warning("%s: %s from %s; closing it", self.name, why, conn.peer)
+        conn.closing = True  # what else it sent is dropped; closed once the answer is out
+        return Err(int(Code.UNAUTHORIZED), why)
 
     def _refuse(self, conn: Conn, why: str) -> None:
         log.info("%s: %s from %s; closing it", self.name, why, conn.peer)
@@ -337,7 +393,7 @@ class Channel:
 
     _ids = itertools.count(1)
 
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, token: str | None = None) -> None:
         host, port = split_hostport(address)
         self.address = address
         sock = _connect_unix(host, port, timeout) if is_loopback(host) else None
@@ -348,6 +404,24 @@ class Channel:
         self.rbuf = bytearray()
         self.pushes: collections.deque[Msg] = collections.deque()
         self.closed = False
+        # replies to requests sent with send() and not yet collected with wait()
+        self._outstanding: set[int] = set()
+        self._replies: dict[int, Msg] = {}
+        if token:
+            try:
+                self._authenticate(token, timeout)
+            except BaseException:
+                self.close()
+                raise
+
+    def _authenticate(self, token: str, timeout: float) -> None:
+        reply = self.call(AuthStart(), timeout)
+        if not isinstance(reply, Challenge):
+            raise ProtocolError(f"{self.address} answered {reply} to AuthStart", peer=self.address)
+        if reply.required:
+            reply = self.call(Auth(auth_mac(token, reply.nonce)), timeout)
+            if not isinstance(reply, Ok):
+                raise ProtocolError(f"{self.address} answered {reply} to Auth", peer=self.address)
 
     def call(self, msg: Msg, timeout: float) -> Msg:
         rid = next(self._ids)
@@ -361,10 +435,53 @@ class Channel:
             if flags & FLAG_PUSH:
                 self.pushes.append(reply)
             elif r_id == rid:
+                if isinstance(reply, Err) and reply.code == Code.UNAUTHORIZED:
+                    self.close()
+                    raise AuthenticationError(
+                        f"{self.address} refused us: {reply.message}", peer=self.address
+                    )
                 return reply
             elif r_id == 0 and isinstance(reply, Err):
                 raise ProtocolError(reply.message, peer=self.address)
             # else: a late reply to an abandoned call; drop it
+
+    @property
+    def in_flight(self) -> bool:
+        """Requests sent with ``send`` whose replies were not collected."""
+        return bool(self._outstanding)
+
+    def send(self, msg: Msg, timeout: float) -> int:
+        """Send a request without waiting: several may be in flight; ``wait`` collects each."""
+        rid = next(self._ids)
+        self._send(frame(msg, rid), timeout)
+        self._outstanding.add(rid)
+        return rid
+
+    def wait(self, rid: int, deadline: float) -> Msg:
+        """The reply to request ``rid`` (from ``send``); TimeoutError at the deadline."""
+        try:
+            got = self._replies.pop(rid, None)
+            while got is None:
+                frame_ = self._read_frame(deadline)
+                if frame_ is None:
+                    raise TimeoutError(f"no reply from {self.address} in time")
+                r_id, flags, reply = frame_
+                if flags & FLAG_PUSH:
+                    self.pushes.append(reply)
+                elif r_id == rid:
+                    got = reply
+                elif r_id in self._outstanding:
+                    self._replies[r_id] = reply
+                elif r_id == 0 and isinstance(reply, Err):
+                    raise ProtocolError(reply.message, peer=self.address)
+        finally:
+            self._outstanding.discard(rid)
+        if isinstance(got, Err) and got.code == Code.UNAUTHORIZED:
+            self.close()
+            raise AuthenticationError(
+                f"{self.address} refused us: {got.message}", peer=self.address
+            )
+        return got
 
     def notify(self, msg: Msg, timeout: float = 5.0) -> None:
         self._send(frame(msg, next(self._ids), FLAG_NOTIFY), timeout)

@@ -33,6 +33,7 @@ from .protocol import (
     Code,
     DropFiles,
     Err,
+    FilesLost,
     Heartbeat,
     Hello,
     HelloOk,
@@ -43,6 +44,8 @@ from .protocol import (
     Msg,
     Ok,
     Part,
+    Promote,
+    Promoted,
     Release,
     Report,
     Spill,
@@ -50,7 +53,7 @@ from .protocol import (
     Unmount,
 )
 from .rpc import Channel, Conn, FrameServer
-from .ssd import SsdStore
+from .ssd import CORRUPT, SsdStore
 
 log = logging.getLogger(__name__)
 _LOAN_TTL = 30.0  # seconds a client may take to read a loaded SSD object
@@ -78,12 +81,14 @@ class StoreServer:
         self._loads: FrameServer | None = None
         self._jobs: queue.SimpleQueue[Msg | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._promoted: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._damaged: queue.SimpleQueue[int] = queue.SimpleQueue()  # file ids failing checks
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._ch: Channel | None = None
         self.heartbeat = 1.0
         self.registrations = 0  # how many times it mounted (1 + re-registrations)
-        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout)
+        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token)
 
     @property
     def segment(self) -> str:
@@ -110,7 +115,12 @@ class StoreServer:
                 self._bounce = self.engine.allocate_buffer(cfg.bounce_size)
                 self._bounce_alloc = RangeAllocator(cfg.bounce_size)
                 self._loads = FrameServer(
-                    cfg.host, 0, self._handle_load, tick=self._expire_loans, name="mc-store-load"
+                    cfg.host,
+                    0,
+                    self._handle_load,
+                    tick=self._expire_loans,
+                    name="mc-store-load",
+                    token=cfg.auth_token,
                 ).start()
             self._register(deadline + cfg.rpc_timeout)
         except BaseException:
@@ -162,7 +172,7 @@ class StoreServer:
             address = self.link.address()
             if address is not None:
                 try:
-                    return Channel(address, self.cfg.rpc_timeout)
+                    return Channel(address, self.cfg.rpc_timeout, self.cfg.auth_token)
                 except OSError as exc:
                     log.debug("connect to master %s failed: %s", address, exc)
                     self.link.invalidate()
@@ -226,6 +236,16 @@ class StoreServer:
                     results.append(self._results.get())
                 if results:
                     ch.notify(SpillDone(self.client_id, results))
+                results = []
+                while not self._promoted.empty():
+                    results.append(self._promoted.get())
+                if results:
+                    ch.notify(Promoted(self.client_id, results))
+                damaged = []
+                while not self._damaged.empty():
+                    damaged.append(self._damaged.get())
+                if damaged:
+                    ch.notify(FilesLost(self.client_id, damaged))
                 if time.monotonic() >= next_hb:
                     reply = self._call(Heartbeat(self.client_id))
                     if isinstance(reply, Err) and reply.code == Code.UNKNOWN_CLIENT:
@@ -261,7 +281,7 @@ class StoreServer:
                     p for p in lst if (p.ridx, p.sidx, p.segment) != (op.ridx, op.sidx, op.segment)
                 ]
                 lst.append(op)
-        elif isinstance(msg, Spill | DropFiles):
+        elif isinstance(msg, Spill | DropFiles | Promote):
             self._jobs.put(msg)
         else:
             log.debug("ignoring push %s", type(msg).__name__)
@@ -274,19 +294,31 @@ class StoreServer:
             if job is None:
                 return
             if isinstance(job, Spill):
-                buf = self.buffer
                 for fid, addr, size in job.items:
+                    # a file larger than the bounce buffer could never be served: refuse it
                     ok = (
                         self.ssd is not None
-                        and buf is not None
-                        and buf.addr <= addr
-                        and addr + size <= buf.addr + buf.size
+                        and size <= self.cfg.bounce_size
+                        and self._inside(addr, size)
                         and self.ssd.write(fid, view(addr, size) if size else memoryview(b""))
                     )
                     self._results.put((fid, bool(ok)))
+            elif isinstance(job, Promote):
+                for fid, addr, size in job.items:
+                    n = -1
+                    if self.ssd is not None and self._inside(addr, size):
+                        n = self.ssd.read_into(fid, view(addr, size) if size else memoryview(b""))
+                    if n == CORRUPT:
+                        self._damaged.put(fid)
+                    self._promoted.put((fid, n == size))
             elif isinstance(job, DropFiles) and self.ssd is not None:
                 for fid in job.file_ids:
                     self.ssd.delete(fid)
+
+    def _inside(self, addr: int, size: int) -> bool:
+        """[addr, addr+size) lies in our segment (the master's word is checked, not trusted)."""
+        buf = self.buffer
+        return buf is not None and buf.addr <= addr and addr + size <= buf.addr + buf.size
 
     def _handle_load(self, conn: Conn, msg: Msg, flags: int) -> Msg | None:
         alloc, bounce, ssd = self._bounce_alloc, self._bounce, self.ssd
@@ -300,7 +332,10 @@ class StoreServer:
             n = ssd.read_into(msg.file_id, view(bounce.addr + off, msg.size)) if msg.size else 0
             if n != msg.size:
                 alloc.release(off, msg.size)
-                return Err(int(Code.NOT_FOUND), f"no SSD file {msg.file_id:x} of that size")
+                if n == CORRUPT:  # the master drops the object: later reads are plain misses
+                    self._damaged.put(msg.file_id)
+                why = "is damaged (checksum or length)" if n == CORRUPT else "does not exist"
+                return Err(int(Code.NOT_FOUND), f"SSD file {msg.file_id:x} {why}")
             token = next(self._tokens)
             self._loans[token] = (off, msg.size, time.monotonic() + _LOAN_TTL)
             return Loaded(bounce.addr + off, token)
@@ -324,5 +359,6 @@ class StoreServer:
         return {
             "keys_held": len(self.holdings),
             "ssd_used": self.ssd.used if self.ssd else 0,
+            "ssd_corrupt": self.ssd.corrupt if self.ssd else 0,
             "registrations": self.registrations,
         }

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
-from . import eviction
+from . import eviction, tier
 from .allocator import RangeAllocator, aligned
 from .config import MasterConfig
 from .protocol import Code, Loc, Part, stripe_bounds, stripe_count
@@ -31,7 +31,6 @@ from .records import (
     PIN,
     SHIFT,
     SOFT,
-    SPILLING,
     Extra,
     Obj,
     Pending,
@@ -42,6 +41,11 @@ from .records import (
 
 log = logging.getLogger(__name__)
 RECENT_COMMITS = 4096
+RESERVE_SHARE = 0.1  # of mounted memory, at most, held by reservations
+
+
+def _held(size: int, nrep: int) -> int:
+    return aligned(size) * max(1, nrep)
 
 
 class MasterState:
@@ -54,11 +58,15 @@ class MasterState:
         # its master failed over) is recognised and answered OK again
         self.recent: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
         self.reserved: dict[int, Pending] = {}  # reservation id -> allocation
+        self.reserved_bytes = 0  # memory the reservations hold (capped: eviction cannot free it)
         self.segments: dict[int, Segment] = {}
         self.seg_by_name: dict[str, Segment] = {}
         self.servers: dict[str, Server] = {}
         self.dirty: set[Server] = set()
-        self.spilling: dict[int, tuple[str, Obj, Server, int]] = {}
+        self.spilling: dict[int, tier.Job] = {}  # file id -> its object's spill
+        self.promoting: dict[int, tier.Job] = {}  # file id -> its object's promotion
+        # (drop at, seq, server, file id, bytes): files of promoted objects a reader may still load
+        self._late_files: list[tuple[float, int, Server, int, int]] = []
         self._order: list[Segment] = []  # allocatable segments, placement rotates over them
         self._rr = 0
         self._seg_ids = itertools.count(1)
@@ -81,7 +89,12 @@ class MasterState:
                 "removes",
                 "evictions",
                 "spills",
+                "spill_failures",
                 "ssd_drops",
+                "ssd_damaged",
+                "ssd_hits",
+                "promotions",
+                "promotion_failures",
                 "expired_puts",
                 "ttl_expired",
                 "servers_lost",
@@ -153,10 +166,7 @@ class MasterState:
         self.counters["servers_lost"] += 1
         for seg in rec.segments:
             self._drop_segment(seg)
-        for fid, entry in list(self.spilling.items()):
-            if entry[2] is rec:
-                del self.spilling[fid]
-                entry[1].meta &= ~SPILLING
+        tier.abandon(self, rec, time.monotonic())
         self.servers.pop(rec.client_id, None)
         self.dirty.discard(rec)
         self._sweep = iter(list(self.objects))  # purge lost objects a slice per tick
@@ -265,13 +275,22 @@ class MasterState:
                 placed = self._place(size, nrep, preferred)
                 if placed is not None:
                     return placed
-        return Code.BUSY if spilling else Code.NO_SPACE
+        # spills still being written (this call's or earlier ones) free memory soon: retry
+        return Code.BUSY if spilling or self.spilling else Code.NO_SPACE
 
     def evict_to_watermark(self, now: float) -> int:
         return eviction.evict_to_watermark(self, now)
 
-    def spill_done(self, rec: Server, fid: int, ok: bool, now: float) -> None:
-        eviction.spill_done(self, rec, fid, ok, now)
+    def spill_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
+        tier.spill_done(self, client_id, fid, ok, now)
+
+    def file_lost(self, rec: Server, fid: int) -> None:
+        """``rec`` found file ``fid`` damaged: its object is gone (reads are plain misses)."""
+        if fid in rec.disk:
+            tier.drop_file_owner(self, rec, fid, "ssd_damaged")
+
+    def promote_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
+        tier.promote_done(self, client_id, fid, ok, now)
 
     def settling(self, now: float) -> bool:
         """Servers may still be (re)registering with this new master: an allocation it does not
@@ -315,16 +334,8 @@ class MasterState:
         self._free_memory(key, obj, now, force, notify)
         ex = obj.extra
         if ex is not None and ex.disk is not None:
-            rec = self.servers.get(ex.disk[0])
-            if rec is not None:
-                fid = ex.disk[1]
-                entry = rec.disk.pop(fid, None)
-                if entry is not None:
-                    rec.ssd_used -= entry[1]
-                rec.dropfiles.append(fid)
-                if notify:
-                    rec.ops.append(key)
-                self.dirty.add(rec)
+            tier.release_disk(self, key, ex.disk, notify)
+            ex.disk = None
 
     def _part(
         self,
@@ -343,6 +354,8 @@ class MasterState:
         nrep = obj.meta >> 8
         locs = obj.locs
         nst = 1 if type(locs) is int or not locs else len(locs) // max(1, nrep)
+        if not locs and ex is not None and ex.disk is not None:
+            nst = len(ex.disk)
         flags = obj.meta & PIN
         at_ms = int(time.time() * 1000) if put_id else 0
         return Part(
@@ -406,9 +419,14 @@ class MasterState:
             else:
                 return Loc(obj.size, stripes)
         if ex is not None and ex.disk is not None:
-            rec = self.servers.get(ex.disk[0])
-            if rec is not None and rec.alive and rec.segments:
-                return Loc(obj.size, [], (rec.endpoint, rec.segments[0].name, ex.disk[1]))
+            files = []
+            for cid, fid in ex.disk:
+                rec = self.servers.get(cid)
+                if rec is None or not rec.alive or not rec.segments or fid < 0:
+                    break
+                files.append((rec.endpoint, rec.segments[0].name, fid))
+            else:
+                return Loc(obj.size, [], files)
         if now >= self.recover_until:
             self.drop(key, obj, now)
         return None
@@ -426,6 +444,10 @@ class MasterState:
                 obj.lease = lease
                 del objs[key]  # LRU: to the back
                 objs[key] = obj
+                if loc.disk is not None and obj.extra is not None and obj.extra.disk is not None:
+                    self.counters["ssd_hits"] += 1
+                    tier.touch(self, obj.extra.disk)
+                    tier.maybe_promote(self, key, obj, now)
             out.append(loc)
         self.counters["gets"] += len(keys)
         self.counters["hits"] += hits
@@ -567,12 +589,22 @@ class MasterState:
     def reserve(
         self, size: int, nrep: int, now: float
     ) -> tuple[int, list[list[tuple[str, int]]]] | None:
-        """Allocate room for a future put (no eviction for it); None when there is none."""
+        """Allocate room for a future put (no eviction for it); None when there is none, or
+        when memory is tight: a reservation cannot be evicted (its client may be writing into it
+        until it expires), so reservations stay below the low watermark and a tenth of memory."""
+        cap = self.capacity()
+        need = aligned(size) * max(1, nrep)
+        if (
+            self.reserved_bytes + need > RESERVE_SHARE * cap
+            or self.used() + need > self.cfg.low_watermark * cap
+        ):
+            return None
         self._rr = (self._rr + 1) % max(1, len(self._order))
         placed = self._place(size, nrep, "")
         if placed is None:
             return None
         locs, got = placed
+        self.reserved_bytes += _held(size, got)
         rid = random.getrandbits(62) + 1
         self.reserved[rid] = Pending(rid, size, locs, got, 0, 0, now + self.cfg.put_lease_ttl)
         return rid, self._copies(locs, got)
@@ -591,6 +623,7 @@ class MasterState:
         ):
             return Code.EXISTS, p.nrep
         del self.reserved[rid]
+        self.reserved_bytes -= _held(p.size, p.nrep)
         p.flags, p.ttl_ms = flags, ttl_ms
         return self._commit(key, p, now), p.nrep
 
@@ -637,7 +670,9 @@ class MasterState:
             gone.append((rid, p))
         for rid, p in gone:
             del self.reserved[rid]
+            self.reserved_bytes -= _held(p.size, p.nrep)
             self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)
+        tier.drop_late_files(self, now)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, locs, size, nst = heapq.heappop(self._deferred)
             self._release_locs(locs, size, nst)
@@ -672,7 +707,8 @@ class MasterState:
             servers=sum(1 for r in self.servers.values() if r.alive and r.segments),
             ssd_capacity_bytes=sum(r.ssd_size for r in self.servers.values()),
             ssd_used_bytes=sum(r.ssd_used for r in self.servers.values()),
-            spilling=len(self.spilling),
+            spilling=len(set(self.spilling.values())),
+            promoting=len(set(self.promoting.values())),
             holdings_unsent=sum(len(r.ops) for r in self.servers.values()),
         )
         return out
