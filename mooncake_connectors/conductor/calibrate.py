@@ -1,0 +1,150 @@
+"""A quick profile of live vLLM instances for the conductor's estimators.
+
+The conductor plans with a prefill time model ``a + b·new + c·(n² - p²)`` and a decode step model
+(:mod:`.estimators`). For a live proxy they come from the instances themselves, before serving:
+
+- **prefill**: after one warm-up request per instance (an engine's first request is seconds
+  slower), each prefill instance computes prompts of a few lengths with ``max_tokens=1``; the
+  wall time of each answer (so HTTP and scheduling overhead lands in ``a``) is fitted with
+  :func:`~.estimators.fit_prefill_model`. Prompts are random token ids drawn from the tokenizer's
+  output on random text, so no two share a cached prefix.
+- **decode**: the first decode instance streams ``decode_tokens`` tokens for one sequence, then
+  for ``batch`` concurrent ones; the median gaps between streamed tokens give the step time at
+  batch 1 and its growth per sequence. KV capacity comes from ``vllm:cache_config_info``.
+
+It costs a few seconds per instance and sends only throw-away prompts. A deployment that knows its
+numbers passes them instead (``--prefill-model``, ``--decode-model``; see docs/conductor.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout
+
+from ..errors import ConfigError
+from .estimators import DecodeModel, PrefillModel, fit_prefill_model
+from .live import parse_vllm_metrics
+
+DEFAULT_LENGTHS = (64, 256, 512, 1024, 1536)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    model: str
+    max_model_len: int
+    block_size: int
+    prefill: PrefillModel
+    decode: DecodeModel
+    samples: tuple[tuple[int, int, float], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "prefill": dataclasses.asdict(self.prefill),
+            "decode": dataclasses.asdict(self.decode),
+            "samples": [list(s) for s in self.samples],
+        }
+
+
+async def _json(s: ClientSession, method: str, url: str, body: Any = None) -> Any:
+    async with s.request(method, url, json=body) as r:
+        if r.status != 200:
+            raise ConfigError(f"{method} {url} answered {r.status}: {(await r.text())[:300]}")
+        return await r.json()
+
+
+async def _prefill_seconds(s: ClientSession, url: str, model: str, prompt: list[int]) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    t0 = time.perf_counter()
+    await _json(s, "POST", url + "/v1/completions", body)
+    return time.perf_counter() - t0
+
+
+async def _step_seconds(
+    s: ClientSession, url: str, model: str, prompt: list[int], n: int
+) -> list[float]:
+    """Gaps between streamed tokens of one greedy sequence of ``n`` tokens."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    stamps: list[float] = []
+    async with s.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise ConfigError(f"POST {url}/v1/completions answered {r.status}")
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(stamps[1:])]  # the first gap includes prefill
+
+
+async def calibrate(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    decode_tokens: int = 24,
+    batch: int = 4,
+    timeout: float = 120.0,
+    seed: int = 0,
+) -> Calibration:
+    """Profile the instances (see the module docstring); every call is bounded by ``timeout``."""
+    if not prefill or not decode:
+        raise ConfigError("calibration needs prefill and decode instances")
+    rng = random.Random(seed)
+    async with ClientSession(timeout=ClientTimeout(total=timeout)) as s:
+        models = await _json(s, "GET", prefill[0] + "/v1/models")
+        entry = models["data"][0]
+        model, max_len = str(entry["id"]), int(entry.get("max_model_len") or 2048)
+        async with s.get(prefill[0] + "/metrics") as r:
+            load = parse_vllm_metrics(await r.text())
+        async with s.get(decode[0] + "/metrics") as r:
+            dload = parse_vllm_metrics(await r.text())
+        if load.block_size is None:
+            raise ConfigError(f"{prefill[0]} does not publish vllm:cache_config_info block_size")
+        text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(2000))
+        pool = (await _json(s, "POST", prefill[0] + "/tokenize", {"model": model, "prompt": text}))[
+            "tokens"
+        ]
+        if not pool:
+            raise ConfigError("the tokenizer returned no tokens")
+
+        def prompt(n: int) -> list[int]:
+            return [rng.choice(pool) for _ in range(n)]
+
+        usable = [n for n in lengths if n < max_len - 8] or [
+            max_len // 4,
+            max_len // 2,
+            max_len - 8,
+        ]
+        if len(set(usable)) < 3:
+            raise ConfigError("calibration needs three distinct prompt lengths", lengths=usable)
+        for url in (*prefill, *decode):  # warm-up: an engine's first request is slow
+            await _prefill_seconds(s, url, model, prompt(32))
+        samples: list[tuple[int, int, float]] = []
+        for n in usable:
+            for url in prefill:
+                samples.append((n, 0, await _prefill_seconds(s, url, model, prompt(n))))
+        pmodel = fit_prefill_model(samples)
+        one = statistics.median(await _step_seconds(s, decode[0], model, prompt(32), decode_tokens))
+        gaps = await asyncio.gather(
+            *(_step_seconds(s, decode[0], model, prompt(32), decode_tokens) for _ in range(batch))
+        )
+        many = statistics.median([g for gs in gaps for g in gs])
+        per_seq = max(0.0, (many - one) / max(1, batch - 1))
+        capacity = dload.kv_capacity_tokens or max_len * 64
+        dmodel = DecodeModel(
+            base_s=max(0.0, one - per_seq), per_seq_s=per_seq, per_kv_token_s=0.0,
+            capacity_tokens=capacity,
+        )  # fmt: skip
+    return Calibration(model, max_len, load.block_size, pmodel, dmodel, tuple(samples))
