@@ -260,6 +260,8 @@ class LiveConductor:
             "admission": c.config.admission.value,
             "ttft_slo_s": c.config.ttft_slo_s,
             "tbt_slo_s": c.config.tbt_slo_s,
+            "prefill_model": dataclasses.asdict(c.config.prefill_model),
+            "decode_model": dataclasses.asdict(c.config.decode_model),
             "counters": dict(self.counters),
             "in_flight": self.in_flight,
             "prefill": {
