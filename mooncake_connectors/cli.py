@@ -508,6 +508,42 @@ def bench_vllm_pd(
     _emit(result, output)
 
 
+@bench_app.command("conductor-live")
+def bench_conductor_live(
+    docs: Annotated[int, typer.Option(min=1, help="Shared prefixes (documents).")] = 4,
+    questions: Annotated[int, typer.Option(min=1, help="Requests per document.")] = 4,
+    prefix_tokens: Annotated[int, typer.Option(min=32, help="Tokens of each prefix.")] = 1024,
+    suffix_tokens: Annotated[int, typer.Option(min=1, help="Tokens after the prefix.")] = 64,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 8,
+    rounds: Annotated[int, typer.Option(min=1, help="Alternating runs of each policy.")] = 2,
+    work_dir: Annotated[
+        str | None, typer.Option(help="Keep the model and the engine logs here.")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Real vLLM engines behind the PD proxy: round-robin vs cache-aware (KV events) TTFT."""
+    _setup_logging(verbose)
+    from pathlib import Path
+
+    from .adapters.vllm.bench_conductor import run_conductor_benchmark
+
+    with _progress("bench conductor-live") as advance:
+        result = run_conductor_benchmark(
+            docs=docs,
+            questions=questions,
+            prefix_tokens=prefix_tokens,
+            suffix_tokens=suffix_tokens,
+            max_tokens=max_tokens,
+            rounds=rounds,
+            work_dir=Path(work_dir) if work_dir else None,
+            progress=advance,
+        )
+    _emit(result, output)
+
+
 @bench_app.command("store")
 def bench_store(
     rounds: Annotated[int, typer.Option(min=1, max=100, help="Measured rounds (+1 warm-up).")] = 3,
