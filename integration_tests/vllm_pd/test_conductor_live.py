@@ -47,6 +47,8 @@ OVERLOAD_TOKENS = 1500
 def kv_config(role: str) -> dict[str, Any]:
     return {
         "kv_connector": "MooncakeConnectorsPD",
+        # works with or without the package's vllm.general_plugins entry point installed
+        "kv_connector_module_path": "mooncake_connectors.adapters.vllm",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"transfer_timeout": 10.0, "kv_lease": 30.0},
@@ -213,6 +215,12 @@ def test_a_shared_long_prefix_lands_where_it_is_cached(live: Live) -> None:
         60,
         "the second engine's KV events reaching the proxy",
     )
+
+    def idle() -> bool:  # the metrics poll no longer shows the bypassing request as load
+        load = live.cache.get("/conductor/stats")["prefill"][url]["load"]
+        return load is not None and load["running"] + load["waiting"] == 0
+
+    wait_until(idle, 30, "the second engine's metrics showing it idle")
     hits_before = second.metric("vllm:prefix_cache_hits_total")
     first_before = live.prefill[0].metric("vllm:prompt_tokens_total")
     status, answer, headers, _ = call(

@@ -65,6 +65,39 @@ def _hits(engine: VllmServer) -> tuple[float, float]:
     )
 
 
+def _tokenize_cost(url: str, model: Path, calls: int = 20) -> dict[str, Any]:
+    """What keying a text prompt costs the proxy: an instance's /tokenize vs a local tokenizer."""
+    rng = random.Random(5)
+    text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(400))
+    body = json.dumps({"model": "tiny", "prompt": text}).encode()
+    remote = []
+    n = 0
+    for _ in range(calls):
+        req = urllib.request.Request(
+            url + "/tokenize", data=body, headers={"Content-Type": "application/json"}
+        )
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=60) as r:
+            n = len(json.loads(r.read())["tokens"])
+        remote.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {
+        "prompt_tokens": n,
+        "remote_median_ms": round(1e3 * statistics.median(remote), 2),
+    }
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return out
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    local = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        tok.encode(text)
+        local.append(time.perf_counter() - t0)
+    out["local_median_ms"] = round(1e3 * statistics.median(local), 3)
+    return out
+
+
 def _ttft(url: str, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> float:
     body = {
         "model": "tiny",
@@ -109,7 +142,11 @@ def run_conductor_benchmark(
     model = build(work_dir / "model")
     logs = work_dir / "logs"
     logs.mkdir(exist_ok=True)
-    kv = {"kv_connector": "MooncakeConnectorsPD", "kv_load_failure_policy": "recompute"}
+    kv = {
+        "kv_connector": "MooncakeConnectorsPD",
+        "kv_connector_module_path": "mooncake_connectors.adapters.vllm",
+        "kv_load_failure_policy": "recompute",
+    }
     sockets = [f"ipc://{logs}/events-{i}.sock" for i in range(2)]
     prefill = [
         VllmServer(
@@ -181,6 +218,7 @@ def run_conductor_benchmark(
                     h1, q1 = _hits(e)
                     hits[name][0] += h1 - h0
                     hits[name][1] += q1 - q0
+        tokenize = _tokenize_cost(prefill[0].url, model)
         with urllib.request.urlopen(ca.url + "/conductor/stats", timeout=10) as r:
             stats = json.loads(r.read())
         result: dict[str, Any] = {
@@ -209,7 +247,7 @@ def run_conductor_benchmark(
                 "prefill_model": stats["prefill_model"],
                 "decode_model": stats["decode_model"],
             },
-            "tokenize": stats["tokenize"],
+            "tokenize": tokenize,
         }
         return result
     finally:
