@@ -282,3 +282,25 @@ def test_bad_configurations_are_refused() -> None:
     run(go())
     with pytest.raises(ConfigError, match="prefix fetches"):
         ConductorOptions(placement=PlacementPolicy.GLOBAL_CACHE)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policy", "global-cache"], "prefix fetches"),
+        (["--policy", "local-cache", "--kv-events", "no-equals-sign"], "PREFILL_URL=ENDPOINT"),
+        (["--kv-events", "http://p=ipc:///tmp/x"], "needs a conductor policy"),
+        (["--policy", "local-cache", "--prefill-model", "1,2"], "3 comma-separated"),
+        (["--policy", "local-cache", "--admission", "sometimes"], "sometimes"),
+    ],
+)
+def test_cli_refuses_bad_proxy_options(args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from mooncake_connectors.cli import app
+
+    result = CliRunner().invoke(
+        app, ["proxy", "--prefill", "http://p", "--decode", "http://d", *args]
+    )
+    assert result.exit_code != 0
+    assert message in (result.output + repr(result.exception))
