@@ -55,6 +55,7 @@ class Instance:
         self.app.router.add_post("/v1/chat/completions", self.handle)
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_get("/v1/models", self.models)
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -86,12 +87,16 @@ class Instance:
             text = "".join(f"{m['role']}:{m['content']}\n" for m in body["messages"])
         return web.json_response({"count": len(text), "tokens": [ord(c) for c in text]})
 
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 2048}]})
+
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
             text=(
                 f'vllm:num_requests_running{{engine="0"}} {self.running}.0\n'
                 f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}.0\n'
                 'vllm:kv_cache_usage_perc{engine="0"} 0.1\n'
+                'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
             )
         )
 
@@ -304,3 +309,27 @@ def test_cli_refuses_bad_proxy_options(args: list[str], message: str) -> None:
     )
     assert result.exit_code != 0
     assert message in (result.output + repr(result.exception))
+
+
+def test_calibration_reads_the_instances_and_fits_models() -> None:
+    """Against stand-ins (answer times are noise here): the protocol and the fit run end to end."""
+    from mooncake_connectors.conductor.calibrate import calibrate
+
+    async def go() -> None:
+        p, d = Instance("p0"), Instance("d0")
+        await p.start()
+        await d.start()
+        try:
+            cal = await calibrate([p.url], [d.url], lengths=(16, 32, 64), decode_tokens=4, batch=2)
+            with pytest.raises(ConfigError, match="calibrating the instances failed"):
+                await calibrate(["http://127.0.0.1:9"], [d.url], timeout=2)
+        finally:
+            await p.stop()
+            await d.stop()
+        assert cal.block_size == 16 and cal.decode.capacity_tokens == 1600
+        assert cal.model == "m" and [n for n, _, _ in cal.samples] == [16, 32, 64]
+        assert cal.prefill.time(64) >= 0 and cal.decode.base_s > 0
+        # the profile prompts are random token ids from /tokenize, prefill legs are plain
+        assert all(b["max_tokens"] == 1 for b in p.bodies[1:4])
+
+    run(go())

@@ -8,9 +8,9 @@ The conductor plans with a prefill time model ``a + b·new + c·(n² - p²)`` an
   wall time of each answer (so HTTP and scheduling overhead lands in ``a``) is fitted with
   :func:`~.estimators.fit_prefill_model`. Prompts are random token ids drawn from the tokenizer's
   output on random text, so no two share a cached prefix.
-- **decode**: the first decode instance streams ``decode_tokens`` tokens for one sequence, then
-  for ``batch`` concurrent ones; the median gaps between streamed tokens give the step time at
-  batch 1 and its growth per sequence. KV capacity comes from ``vllm:cache_config_info``.
+- **decode**: the first decode instance answers with 1 and with ``decode_tokens`` tokens; the
+  difference over ``decode_tokens - 1`` is the step time at batch 1; ``batch`` concurrent answers
+  give its growth per sequence. KV capacity comes from ``vllm:cache_config_info``.
 
 It costs a few seconds per instance and sends only throw-away prompts. A deployment that knows its
 numbers passes them instead (``--prefill-model``, ``--decode-model``; see docs/conductor.md).
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import random
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout
+from aiohttp import ClientError, ClientSession, ClientTimeout
 
 from ..errors import ConfigError
 from .estimators import DecodeModel, PrefillModel, fit_prefill_model
@@ -70,35 +69,47 @@ async def _prefill_seconds(s: ClientSession, url: str, model: str, prompt: list[
     return time.perf_counter() - t0
 
 
-async def _step_seconds(
+async def _generate_seconds(
     s: ClientSession, url: str, model: str, prompt: list[int], n: int
-) -> list[float]:
-    """Gaps between streamed tokens of one greedy sequence of ``n`` tokens."""
+) -> float:
+    """Wall time of a greedy ``n``-token answer (not streamed: the API server may coalesce a
+    fast engine's tokens into few stream chunks, so chunk gaps are not step times)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
-        "ignore_eos": True, "stream": True,
+        "ignore_eos": True,
     }  # fmt: skip
-    stamps: list[float] = []
-    async with s.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise ConfigError(f"POST {url}/v1/completions answered {r.status}")
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                stamps.append(time.perf_counter())
-    return [b - a for a, b in itertools.pairwise(stamps[1:])]  # the first gap includes prefill
+    t0 = time.perf_counter()
+    await _json(s, "POST", url + "/v1/completions", body)
+    return time.perf_counter() - t0
 
 
 async def calibrate(
     prefill: Sequence[str],
     decode: Sequence[str],
+    **kwargs: Any,
+) -> Calibration:
+    """Profile the instances (see the module docstring); every call is bounded by ``timeout``.
+
+    Raises :class:`ConfigError` naming what failed (an instance down, an unexpected answer).
+    """
+    try:
+        return await _calibrate(prefill, decode, **kwargs)
+    except ConfigError:
+        raise
+    except (ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"calibrating the instances failed: {exc!r}") from exc
+
+
+async def _calibrate(
+    prefill: Sequence[str],
+    decode: Sequence[str],
     *,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
-    decode_tokens: int = 24,
+    decode_tokens: int = 64,
     batch: int = 4,
     timeout: float = 120.0,
     seed: int = 0,
 ) -> Calibration:
-    """Profile the instances (see the module docstring); every call is bounded by ``timeout``."""
     if not prefill or not decode:
         raise ConfigError("calibration needs prefill and decode instances")
     rng = random.Random(seed)
@@ -136,15 +147,25 @@ async def calibrate(
             for url in prefill:
                 samples.append((n, 0, await _prefill_seconds(s, url, model, prompt(n))))
         pmodel = fit_prefill_model(samples)
-        one = statistics.median(await _step_seconds(s, decode[0], model, prompt(32), decode_tokens))
-        gaps = await asyncio.gather(
-            *(_step_seconds(s, decode[0], model, prompt(32), decode_tokens) for _ in range(batch))
+        # decode step: (n-token answer - 1-token answer) / (n - 1), alone and ``batch`` at once
+        url = decode[0]
+        first = statistics.median(
+            [await _generate_seconds(s, url, model, prompt(32), 1) for _ in range(3)]
         )
-        many = statistics.median([g for gs in gaps for g in gs])
-        per_seq = max(0.0, (many - one) / max(1, batch - 1))
+        whole = statistics.median(
+            [await _generate_seconds(s, url, model, prompt(32), decode_tokens) for _ in range(2)]
+        )
+        one = max(1e-4, (whole - first) / (decode_tokens - 1))
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(_generate_seconds(s, url, model, prompt(32), decode_tokens) for _ in range(batch))
+        )
+        together = time.perf_counter() - t0
+        many = max(one, (together - batch * first) / (decode_tokens - 1))
+        per_seq = (many - one) / max(1, batch - 1)
         capacity = dload.kv_capacity_tokens or max_len * 64
         dmodel = DecodeModel(
-            base_s=max(0.0, one - per_seq), per_seq_s=per_seq, per_kv_token_s=0.0,
+            base_s=max(1e-4, one - per_seq), per_seq_s=per_seq, per_kv_token_s=0.0,
             capacity_tokens=capacity,
         )  # fmt: skip
     return Calibration(model, max_len, load.block_size, pmodel, dmodel, tuple(samples))
