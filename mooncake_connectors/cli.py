@@ -510,12 +510,14 @@ def bench_vllm_pd(
 
 @bench_app.command("conductor-live")
 def bench_conductor_live(
-    docs: Annotated[int, typer.Option(min=1, help="Shared prefixes (documents).")] = 4,
+    docs: Annotated[
+        int, typer.Option(min=1, help="Shared prefixes (odd: round-robin splits each).")
+    ] = 3,
     questions: Annotated[int, typer.Option(min=1, help="Requests per document.")] = 4,
     prefix_tokens: Annotated[int, typer.Option(min=32, help="Tokens of each prefix.")] = 1024,
     suffix_tokens: Annotated[int, typer.Option(min=1, help="Tokens after the prefix.")] = 64,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 8,
-    rounds: Annotated[int, typer.Option(min=1, help="Alternating runs of each policy.")] = 2,
+    rounds: Annotated[int, typer.Option(min=1, help="Alternating runs of each policy.")] = 3,
     work_dir: Annotated[
         str | None, typer.Option(help="Keep the model and the engine logs here.")
     ] = None,

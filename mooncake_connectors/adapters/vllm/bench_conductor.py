@@ -3,7 +3,8 @@
 Two prefill engines (our PD connector, prefix caching on, KV events on ``ipc://`` endpoints) and
 one decode engine on the locally built model, then two proxies over the same engines:
 ``--policy round-robin`` and ``--policy local-cache`` fed by the engines' KV events (it profiles
-the engines at start). The workload is ``docs`` long shared prefixes ("documents") with
+the engines at start). The workload is ``docs`` long shared prefixes ("documents"; an odd
+number by default, so round-robin spreads each one over both prefill engines) with
 ``questions`` different suffixes each, sent one at a time in interleaved order (doc 0 q 0, doc 1
 q 0, …, doc 0 q 1, …), streaming; TTFT is from sending to the first streamed chunk through the
 proxy. Each policy gets its own documents (fresh prefixes, nothing cached from the other run)
@@ -125,12 +126,12 @@ def _ttft(url: str, prompt: list[int], max_tokens: int, timeout: float = 300.0) 
 
 def run_conductor_benchmark(
     *,
-    docs: int = 4,
+    docs: int = 3,
     questions: int = 4,
     prefix_tokens: int = 1024,
     suffix_tokens: int = 64,
     max_tokens: int = 8,
-    rounds: int = 2,
+    rounds: int = 3,
     work_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
