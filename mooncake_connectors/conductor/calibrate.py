@@ -4,7 +4,8 @@ The conductor plans with a prefill time model ``a + b·new + c·(n² - p²)`` an
 (:mod:`.estimators`). For a live proxy they come from the instances themselves, before serving:
 
 - **prefill**: after one warm-up request per instance (an engine's first request is seconds
-  slower), each prefill instance computes prompts of a few lengths with ``max_tokens=1``; the
+  slower), the prefill instances compute prompts of a few lengths with ``max_tokens=1``, all
+  instances at once (so instances sharing cores are profiled at their busy-pool speed); the
   wall time of each answer (so HTTP and scheduling overhead lands in ``a``) is fitted with
   :func:`~.estimators.fit_prefill_model`. Prompts are random token ids drawn from the tokenizer's
   output on random text, so no two share a cached prefix.
@@ -144,8 +145,13 @@ async def _calibrate(
             await _prefill_seconds(s, url, model, prompt(32))
         samples: list[tuple[int, int, float]] = []
         for n in usable:
-            for url in prefill:
-                samples.append((n, 0, await _prefill_seconds(s, url, model, prompt(n))))
+            # all prefill instances at once: instances that share cores (or memory bandwidth)
+            # are profiled at the speed they have when the pool is busy, which is when the
+            # estimate decides admissions
+            times = await asyncio.gather(
+                *(_prefill_seconds(s, url, model, prompt(n)) for url in prefill)
+            )
+            samples.extend((n, 0, t) for t in times)
         pmodel = fit_prefill_model(samples)
         # decode step: (n-token answer - 1-token answer) / (n - 1), alone and ``batch`` at once
         url = decode[0]
