@@ -216,7 +216,7 @@ class Conductor:
         if ttft > cfg.ttft_slo_s and not self._best_effort(now):
             reason, detail = (
                 RejectReason.TTFT_SLO,
-                (f"estimated time to first token {ttft:.1f}s exceeds the {cfg.ttft_slo_s:g}s SLO"),
+                (f"estimated time to first token {ttft:.3g}s exceeds the {cfg.ttft_slo_s:g}s SLO"),
             )
         elif tbt > cfg.tbt_slo_s:
             reason, detail = (
