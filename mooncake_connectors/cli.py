@@ -111,6 +111,20 @@ def metadata_server(
         server.stop()
 
 
+def _split_urls(values: list[str]) -> list[str]:
+    return [u.strip() for arg in values for u in arg.split(",") if u.strip()]
+
+
+def _floats(text: str, n: int, what: str) -> list[float]:
+    parts = [p for p in text.split(",") if p.strip()]
+    if len(parts) != n:
+        raise typer.BadParameter(f"{what} takes {n} comma-separated numbers, got {text!r}")
+    try:
+        return [float(p) for p in parts]
+    except ValueError as exc:
+        raise typer.BadParameter(f"{what}: {exc}") from exc
+
+
 @app.command()
 def proxy(
     prefill: Annotated[
@@ -122,6 +136,50 @@ def proxy(
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     timeout: Annotated[float, typer.Option(help="Seconds allowed for one upstream call.")] = 600.0,
+    policy: Annotated[
+        str,
+        typer.Option(
+            help="round-robin, or the conductor's placement: local-cache (cache-aware), "
+            "load-balance, random."
+        ),
+    ] = "round-robin",
+    admission: Annotated[
+        str, typer.Option(help="When to answer 429: none, early, predictive, adaptive.")
+    ] = "early",
+    ttft_slo: Annotated[float, typer.Option(help="TTFT SLO in seconds.")] = 10.0,
+    tbt_slo: Annotated[float, typer.Option(help="Time-between-tokens SLO in seconds.")] = 1.0,
+    kv_events: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kv-events",
+            help="PREFILL_URL=ENDPOINT of that engine's KV event publisher (ipc://PATH or "
+            "tcp://HOST:PORT); one per prefill instance.",
+        ),
+    ] = None,
+    cache_source: Annotated[
+        str,
+        typer.Option(
+            help="events (vLLM KV events, needs --kv-events) or optimistic (the proxy's own "
+            "placements, never evicted: a guess)."
+        ),
+    ] = "events",
+    block_size: Annotated[
+        int | None, typer.Option(help="Engine KV block size (default: read from /metrics).")
+    ] = None,
+    prefill_model: Annotated[
+        str | None,
+        typer.Option(help="A,B,C of prefill seconds = A + B*new + C*(n^2-p^2); default: profile."),
+    ] = None,
+    decode_model: Annotated[
+        str | None,
+        typer.Option(help="BASE,PER_SEQ,PER_KV_TOKEN,CAPACITY_TOKENS of a decode step."),
+    ] = None,
+    expected_output_tokens: Annotated[
+        float, typer.Option(help="Output length assumed until finished requests teach it.")
+    ] = 64.0,
+    metrics_interval: Annotated[
+        float, typer.Option(help="Seconds between polls of the instances' /metrics.")
+    ] = 1.0,
     verbose: Verbose = 0,
 ) -> None:
     """OpenAI-compatible PD proxy: prefill leg, then decode leg with the KV transfer params."""
@@ -132,10 +190,57 @@ def proxy(
         raise SystemExit(
             f"the proxy needs aiohttp ({exc}): pip install 'mooncake-connectors[proxy]'"
         ) from exc
-    prefill = [u.strip() for arg in prefill for u in arg.split(",") if u.strip()]
-    decode = [u.strip() for arg in decode for u in arg.split(",") if u.strip()]
-    typer.echo(f"PD proxy on http://{host}:{port} prefill={prefill} decode={decode}", err=True)
-    run_proxy(prefill, decode, host=host, port=port, timeout=timeout)
+    from .conductor.estimators import DecodeModel, PrefillModel
+    from .conductor.live import CacheSource
+    from .conductor.proxy import ConductorOptions
+    from .conductor.types import Admission, PlacementPolicy
+    from .errors import ConfigError
+
+    prefill = _split_urls(prefill)
+    decode = _split_urls(decode)
+    options = None
+    if policy != "round-robin":
+        events: dict[str, str] = {}
+        for item in kv_events or []:
+            url, sep, endpoint = item.rpartition("=")
+            if not sep or not url or not endpoint:
+                raise typer.BadParameter(f"--kv-events takes PREFILL_URL=ENDPOINT, got {item!r}")
+            events[url.rstrip("/")] = endpoint
+        try:
+            pm = (
+                PrefillModel(*_floats(prefill_model, 3, "--prefill-model"))
+                if prefill_model
+                else None
+            )
+            dm = None
+            if decode_model:
+                b, s, k, cap = _floats(decode_model, 4, "--decode-model")
+                dm = DecodeModel(b, s, k, int(cap))
+            options = ConductorOptions(
+                placement=PlacementPolicy(policy),
+                admission=Admission(admission),
+                ttft_slo_s=ttft_slo,
+                tbt_slo_s=tbt_slo,
+                cache_source=CacheSource(cache_source),
+                kv_events=events,
+                block_size=block_size,
+                prefill_model=pm,
+                decode_model=dm,
+                expected_output_tokens=expected_output_tokens,
+                metrics_interval_s=metrics_interval,
+            )
+        except (ValueError, ConfigError) as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    elif kv_events:
+        raise typer.BadParameter("--kv-events needs a conductor policy (e.g. --policy local-cache)")
+    typer.echo(
+        f"PD proxy on http://{host}:{port} policy={policy} prefill={prefill} decode={decode}",
+        err=True,
+    )
+    try:
+        run_proxy(prefill, decode, host=host, port=port, timeout=timeout, options=options)
+    except ConfigError as exc:
+        raise SystemExit(f"proxy: {exc}") from exc
 
 
 @app.command()
@@ -474,6 +579,44 @@ def bench_vllm_pd(
             kv_heads=kv_heads,
             work_dir=Path(work_dir) if work_dir else None,
             transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            progress=advance,
+        )
+    _emit(result, output)
+
+
+@bench_app.command("conductor-live")
+def bench_conductor_live(
+    docs: Annotated[
+        int, typer.Option(min=1, help="Shared prefixes (odd: round-robin splits each).")
+    ] = 3,
+    questions: Annotated[int, typer.Option(min=1, help="Requests per document.")] = 4,
+    prefix_tokens: Annotated[int, typer.Option(min=32, help="Tokens of each prefix.")] = 1024,
+    suffix_tokens: Annotated[int, typer.Option(min=1, help="Tokens after the prefix.")] = 64,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 8,
+    rounds: Annotated[int, typer.Option(min=1, help="Alternating runs of each policy.")] = 3,
+    work_dir: Annotated[
+        str | None, typer.Option(help="Keep the model and the engine logs here.")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Real vLLM engines behind the PD proxy: round-robin vs cache-aware (KV events) TTFT."""
+    _setup_logging(verbose)
+    from pathlib import Path
+
+    from .adapters.vllm.bench_conductor import run_conductor_benchmark
+
+    with _progress("bench conductor-live") as advance:
+        result = run_conductor_benchmark(
+            docs=docs,
+            questions=questions,
+            prefix_tokens=prefix_tokens,
+            suffix_tokens=suffix_tokens,
+            max_tokens=max_tokens,
+            rounds=rounds,
+            work_dir=Path(work_dir) if work_dir else None,
             progress=advance,
         )
     _emit(result, output)

@@ -9,23 +9,41 @@ For ``/v1/completions`` and ``/v1/chat/completions`` (streaming or not) the prox
    the answer (or the event stream) to the client unchanged.
 
 If the prefill leg fails, the decode leg runs without transfer parameters: decode computes the
-prompt itself, the client still gets its answer. Instances are picked round-robin, each list on
-its own, until the conductor's scheduler replaces that.
+prompt itself, the client still gets its answer.
 
-aiohttp is imported here only (``pip install 'mooncake-connectors[proxy]'``; vLLM installs it).
+Instances are picked round-robin (each list on its own), or, given a :class:`~.live.LiveConductor`,
+by the conductor: the prompt is tokenized (token-id prompts as they are, text through an
+instance's ``/tokenize``), keyed into prefix blocks and scheduled; a rejection is answered with
+HTTP 429 and an OpenAI-style error body naming the reason. Meanwhile the proxy polls every
+instance's ``/metrics`` for load and, with a KV events endpoint, receives the prefill instances'
+vLLM KV events (:class:`~.live.KVEventSubscriber`). ``GET /conductor/stats`` and
+``GET /conductor/decisions`` show the conductor's picture and its recent decisions; answers carry
+``x-conductor-*`` headers (chosen instances, cached blocks, estimated TTFT).
+
+aiohttp is imported here and in :mod:`.calibrate` only (``pip install
+'mooncake-connectors[proxy]'``; vLLM installs it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import dataclasses
 import itertools
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+from ..errors import ConfigError
+from .estimators import DecodeModel, PrefillModel, TransferModel
+from .live import CacheSource, KVEventSubscriber, LiveConductor, parse_vllm_metrics
+from .scheduler import Conductor, ConductorConfig
+from .types import Admission, Placement, PlacementPolicy, Rejection
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +51,18 @@ _ROUTES = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
+class UpstreamError(Exception):
+    """An instance did not give the proxy what it needed (tokens, a leg's answer)."""
+
+
 class PDProxy:
-    """Round-robin prefill → decode proxy; ``app`` is the aiohttp application."""
+    """Prefill → decode proxy; ``app`` is the aiohttp application.
+
+    Without ``live`` instances are picked round-robin. With it, the conductor picks them (or
+    rejects with 429); ``kv_events`` maps prefill URLs to their engines' KV event endpoints
+    (none: no events, e.g. the optimistic cache source); ``/metrics`` of every instance
+    is polled every ``metrics_interval`` seconds (each poll bounded by ``metrics_timeout``).
+    """
 
     def __init__(
         self,
@@ -42,27 +70,66 @@ class PDProxy:
         decode: Sequence[str],
         *,
         timeout: float = 600.0,
+        live: LiveConductor | None = None,
+        kv_events: dict[str, str] | None = None,
+        metrics_interval: float = 1.0,
+        metrics_timeout: float = 2.0,
+        tokenize_timeout: float = 10.0,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode URL")
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
+        if live is not None:
+            cfg = live.conductor.config
+            if (
+                list(cfg.prefill_instances) != self.prefill
+                or list(cfg.decode_instances) != self.decode
+            ):
+                raise ConfigError("the conductor's instances must be the proxy's URLs")
+        self.live = live
+        if kv_events and live is None:
+            raise ConfigError("KV events need the conductor (a policy other than round-robin)")
+        self.events = [
+            KVEventSubscriber(inst.rstrip("/"), ep, live)
+            for inst, ep in (kv_events or {}).items()
+            if live is not None
+        ]
+        self._metrics_interval = metrics_interval
+        self._metrics_timeout = ClientTimeout(total=metrics_timeout)
+        self._tokenize_timeout = ClientTimeout(total=tokenize_timeout)
         self._next_prefill = itertools.cycle(range(len(self.prefill)))
         self._next_decode = itertools.cycle(range(len(self.decode)))
+        self._next_tokenizer = itertools.cycle(range(len(self.prefill)))
         self._timeout = ClientTimeout(total=timeout)
         self._session: ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self.metrics_errors: dict[str, str] = {}
+        self.tokenize = {"calls": 0, "total_s": 0.0, "max_s": 0.0}
         self.app = web.Application()
         for route in _ROUTES:
             self.app.router.add_post(route, self._handle)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/conductor/stats", self._stats)
+        self.app.router.add_get("/conductor/decisions", self._decisions)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
     async def _start(self, app: web.Application) -> None:
         self._session = ClientSession(timeout=self._timeout)
+        if self.live is not None:
+            for sub in self.events:
+                sub.start()
+            self._poller = asyncio.get_running_loop().create_task(self._poll_metrics())
 
     async def _stop(self, app: web.Application) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for sub in self.events:
+            await sub.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -82,7 +149,109 @@ class PDProxy:
                 body=await r.read(), status=r.status, content_type="application/json"
             )
 
-    async def prefill_leg(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    async def _stats(self, request: web.Request) -> web.Response:
+        if self.live is None:
+            return web.json_response({"policy": "round-robin"})
+        out = self.live.stats()
+        out["kv_events"] = {sub.instance: sub.stats() for sub in self.events}
+        out["metrics_errors"] = dict(self.metrics_errors)
+        t = self.tokenize
+        out["tokenize"] = {
+            "calls": t["calls"],
+            "mean_ms": round(1e3 * t["total_s"] / t["calls"], 3) if t["calls"] else None,
+            "max_ms": round(1e3 * t["max_s"], 3),
+        }
+        return web.json_response(out)
+
+    async def _decisions(self, request: web.Request) -> web.Response:
+        return web.json_response(list(self.live.decisions) if self.live is not None else [])
+
+    # ---- feeds -------------------------------------------------------------------------------
+
+    async def _poll_one(self, url: str) -> None:
+        assert self.live is not None
+        try:
+            async with self.session.get(url + "/metrics", timeout=self._metrics_timeout) as r:
+                if r.status != 200:
+                    raise UpstreamError(f"HTTP {r.status}")
+                text = await r.text()
+            self.live.observe_load(url, parse_vllm_metrics(text))
+        except (ClientError, asyncio.TimeoutError, UpstreamError, ConfigError, ValueError) as exc:
+            if url not in self.metrics_errors:
+                log.warning("metrics of %s unavailable: %r", url, exc)
+            self.metrics_errors[url] = repr(exc)
+            return
+        if self.metrics_errors.pop(url, None) is not None:
+            log.info("metrics of %s available again", url)
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll_one(u) for u in (*self.prefill, *self.decode)))
+            await asyncio.sleep(self._metrics_interval)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        """Token ids of one prompt through an instance's /tokenize (the next one on failure)."""
+        errors = []
+        for _ in range(len(self.prefill)):
+            url = self.prefill[next(self._next_tokenizer)] + "/tokenize"
+            t0 = time.perf_counter()
+            try:
+                async with self.session.post(url, json=body, timeout=self._tokenize_timeout) as r:
+                    if r.status != 200:
+                        raise UpstreamError(f"HTTP {r.status}: {(await r.text())[:300]}")
+                    data = await r.json()
+                tokens = data["tokens"]
+                if not isinstance(tokens, list):
+                    raise UpstreamError("no token list in the answer")
+            except (ClientError, asyncio.TimeoutError, UpstreamError, KeyError, ValueError) as exc:
+                errors.append(f"{url}: {exc!r}")
+                continue
+            dt = time.perf_counter() - t0
+            self.tokenize["calls"] += 1
+            self.tokenize["total_s"] += dt
+            self.tokenize["max_s"] = max(self.tokenize["max_s"], dt)
+            return [int(t) for t in tokens]
+        raise UpstreamError("cannot tokenize the prompt: " + "; ".join(errors))
+
+    async def prompt_tokens(self, path: str, body: dict[str, Any]) -> tuple[list[int], int]:
+        """(token ids keyed for the prefix, total prompt tokens) of a request.
+
+        Several prompts in one request: the first one's tokens are keyed, all are counted.
+        """
+        model = body.get("model")
+        if path.endswith("/chat/completions"):
+            req: dict[str, Any] = {"model": model, "messages": body.get("messages")}
+            for key in ("add_generation_prompt", "continue_final_message", "chat_template",
+                        "chat_template_kwargs", "tools", "add_special_tokens"):  # fmt: skip
+                if key in body:
+                    req[key] = body[key]
+            req.setdefault("add_generation_prompt", True)
+            tokens = await self._tokenize(req)
+            return tokens, len(tokens)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt:
+            prompts = prompt
+        else:
+            raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+        out: list[list[int]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(await self._tokenize({"model": model, "prompt": p}))
+            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                out.append(list(p))
+            else:
+                raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+        return out[0], sum(len(p) for p in out)
+
+    async def prefill_leg(
+        self, path: str, body: dict[str, Any], url: str | None = None
+    ) -> dict[str, Any] | None:
         """Run the prefill leg; its kv_transfer_params, or None when it failed."""
         leg = copy.deepcopy(body)
         leg["max_tokens"] = 1
@@ -92,15 +261,16 @@ class PDProxy:
         for key in ("stream_options", "min_tokens", "n", "best_of"):
             leg.pop(key, None)  # one token, one sequence: nothing that contradicts max_tokens=1
         leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
-        url = self.prefill[next(self._next_prefill)] + path
+        base = url if url is not None else self.prefill[next(self._next_prefill)]
+        target = base + path
         try:
-            async with self.session.post(url, json=leg) as r:
+            async with self.session.post(target, json=leg) as r:
                 if r.status != 200:
-                    log.warning("prefill %s answered %d: %s", url, r.status, await r.text())
+                    log.warning("prefill %s answered %d: %s", target, r.status, await r.text())
                     return None
                 data = await r.json()
         except (ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-            log.warning("prefill %s failed: %r", url, exc)
+            log.warning("prefill %s failed: %r", target, exc)
             return None
         params = data.get("kv_transfer_params")
         return params if isinstance(params, dict) else None
@@ -109,31 +279,202 @@ class PDProxy:
         try:
             body = await request.json()
         except json.JSONDecodeError:
-            return web.json_response({"error": "request body is not JSON"}, status=400)
+            return _error(400, "request body is not JSON", "invalid_request_error")
         if not isinstance(body, dict):
-            return web.json_response({"error": "request body must be an object"}, status=400)
-        path = request.path
-        params = await self.prefill_leg(path, body)
-        decode_body = dict(body)
-        if params is not None:
-            decode_body["kv_transfer_params"] = params
-        url = self.decode[next(self._next_decode)] + path
+            return _error(400, "request body must be an object", "invalid_request_error")
+        if self.live is None:
+            prefill, decode = self.prefill[next(self._next_prefill)], None
+            return await self._run(request, body, prefill, decode, None, {})
+        live = self.live
         try:
-            upstream = await self.session.post(url, json=decode_body)
-        except (ClientError, asyncio.TimeoutError) as exc:
-            return web.json_response({"error": f"decode {url} failed: {exc!r}"}, status=502)
-        async with upstream:
-            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-            if not body.get("stream"):
-                return web.Response(
-                    body=await upstream.read(), status=upstream.status, headers=headers
-                )
-            out = web.StreamResponse(status=upstream.status, headers=headers)
-            await out.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
+            tokens, n = await self.prompt_tokens(request.path, body)
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        except UpstreamError as exc:
+            return _error(502, str(exc), "upstream_error")
+        decision = live.schedule(tokens, n)
+        if isinstance(decision, Rejection):
+            return _rejection(decision, live)
+        headers = _placement_headers(decision)
+        return await self._run(
+            request, body, decision.prefill, decision.decode, decision.request_id, headers
+        )
+
+    async def _run(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        prefill: str,
+        decode: str | None,
+        rid: int | None,
+        extra_headers: dict[str, str],
+    ) -> web.StreamResponse:
+        live = self.live
+        path = request.path
+        out_tokens = 0
+        try:
+            params = await self.prefill_leg(path, body, prefill)
+            if live is not None and rid is not None:
+                live.prefill_done(rid)
+            decode_body = dict(body)
+            if params is not None:
+                decode_body["kv_transfer_params"] = params
+            url = (decode or self.decode[next(self._next_decode)]) + path
+            try:
+                upstream = await self.session.post(url, json=decode_body)
+            except (ClientError, asyncio.TimeoutError) as exc:
+                return _error(502, f"decode {url} failed: {exc!r}", "upstream_error")
+            async with upstream:
+                headers = {
+                    k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS
+                }
+                headers.update(extra_headers)
+                if not body.get("stream"):
+                    data = await upstream.read()
+                    if live is not None and rid is not None:
+                        live.decode_started(rid)
+                        out_tokens = _completion_tokens(data)
+                    return web.Response(body=data, status=upstream.status, headers=headers)
+                out = web.StreamResponse(status=upstream.status, headers=headers)
+                await out.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    if live is not None and rid is not None:
+                        if out_tokens == 0:
+                            live.decode_started(rid)
+                        out_tokens += chunk.count(b"data: {")  # ~one token per event
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        finally:
+            if live is not None and rid is not None:
+                live.finished(rid, out_tokens)
+
+
+def _completion_tokens(data: bytes) -> int:
+    try:
+        usage = json.loads(data).get("usage") or {}
+        return int(usage.get("completion_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+def _error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
+    """An error in the OpenAI format (``{"error": {message, type, param, code}}``)."""
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}, status=status
+    )
+
+
+def _rejection(r: Rejection, live: LiveConductor) -> web.Response:
+    cfg = live.conductor.config
+    body = {
+        "error": {
+            "message": f"request rejected by the conductor: {r.detail}",
+            "type": "rate_limit_exceeded",
+            "param": None,
+            "code": r.reason.value,
+        },
+        "conductor": {
+            "reason": r.reason.value,
+            "est_ttft_s": round(r.est_ttft_s, 4),
+            "ttft_slo_s": cfg.ttft_slo_s,
+            "est_tbt_s": round(r.est_tbt_s, 4),
+            "tbt_slo_s": cfg.tbt_slo_s,
+        },
+    }
+    headers = {"retry-after": "1", "x-conductor-reject-reason": r.reason.value}
+    return web.json_response(body, status=r.http_status, headers=headers)
+
+
+def _placement_headers(p: Placement) -> dict[str, str]:
+    return {
+        "x-conductor-request-id": str(p.request_id),
+        "x-conductor-prefill": p.prefill,
+        "x-conductor-decode": p.decode,
+        "x-conductor-cached-blocks": str(p.local_blocks),
+        "x-conductor-est-ttft-ms": f"{p.est_ttft_s * 1e3:.1f}",
+    }
+
+
+# Placements a live proxy can carry out: global-cache and adaptive may plan a prefix fetch between
+# prefill instances, which needs the store connector on the prefill side (not wired here).
+LIVE_PLACEMENTS = (
+    PlacementPolicy.RANDOM,
+    PlacementPolicy.LOAD_BALANCE,
+    PlacementPolicy.LOCAL_CACHE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConductorOptions:
+    """How a live proxy schedules; models and block size left None are profiled at start."""
+
+    placement: PlacementPolicy = PlacementPolicy.LOCAL_CACHE
+    admission: Admission = Admission.EARLY
+    ttft_slo_s: float = 10.0
+    tbt_slo_s: float = 1.0
+    cache_source: CacheSource = CacheSource.EVENTS
+    kv_events: dict[str, str] = dataclasses.field(default_factory=dict)
+    block_size: int | None = None
+    prefill_model: PrefillModel | None = None
+    decode_model: DecodeModel | None = None
+    expected_output_tokens: float = 64.0
+    metrics_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.placement not in LIVE_PLACEMENTS:
+            raise ConfigError(
+                f"placement {self.placement.value!r} plans prefix fetches between prefill "
+                "instances, which the proxy cannot carry out; use one of "
+                + ", ".join(p.value for p in LIVE_PLACEMENTS)
+            )
+        if self.metrics_interval_s <= 0:
+            raise ConfigError("metrics_interval_s must be > 0")
+
+
+async def build_conductor(
+    prefill: Sequence[str], decode: Sequence[str], options: ConductorOptions
+) -> tuple[LiveConductor, dict[str, Any] | None]:
+    """The live conductor over these instances; profiles them for what ``options`` leave out.
+
+    Returns it with the calibration (as a dict) when one ran.
+    """
+    prefill = [u.rstrip("/") for u in prefill]
+    decode = [u.rstrip("/") for u in decode]
+    kv = {k.rstrip("/"): v for k, v in options.kv_events.items()}
+    if options.cache_source is CacheSource.EVENTS:
+        missing = [p for p in prefill if p not in kv]
+        if missing or set(kv) - set(prefill):
+            raise ConfigError(
+                "cache source 'events' needs one --kv-events URL=ENDPOINT per prefill instance "
+                "(or --cache-source optimistic)",
+                missing=missing, unknown=sorted(set(kv) - set(prefill)),
+            )  # fmt: skip
+    elif kv:
+        raise ConfigError("--kv-events given with --cache-source optimistic: pick one")
+    pmodel, dmodel, block = options.prefill_model, options.decode_model, options.block_size
+    report: dict[str, Any] | None = None
+    if pmodel is None or dmodel is None or block is None:
+        from .calibrate import calibrate
+
+        cal = await calibrate(prefill, decode)
+        report = cal.as_dict()
+        pmodel, dmodel, block = pmodel or cal.prefill, dmodel or cal.decode, block or cal.block_size
+    cfg = ConductorConfig(
+        prefill_instances=tuple(prefill),
+        decode_instances=tuple(decode),
+        prefill_model=pmodel,
+        # only used to cost prefix fetches, which live placements never plan
+        transfer_model=TransferModel(1e9, 1),
+        decode_model=dmodel,
+        placement=options.placement,
+        admission=options.admission,
+        ttft_slo_s=options.ttft_slo_s,
+        tbt_slo_s=options.tbt_slo_s,
+        block_tokens=block,
+        expected_output_tokens=options.expected_output_tokens,
+    )
+    return LiveConductor(Conductor(cfg), cache_source=options.cache_source), report
 
 
 def run_proxy(
@@ -142,7 +483,20 @@ def run_proxy(
     host: str = "127.0.0.1",
     port: int = 8000,
     timeout: float = 600.0,
+    options: ConductorOptions | None = None,
 ) -> None:
-    """Serve the proxy in the foreground until interrupted."""
-    proxy = PDProxy(prefill, decode, timeout=timeout)
+    """Serve the proxy in the foreground until interrupted (round-robin without ``options``)."""
+    live = None
+    kv_events: dict[str, str] = {}
+    interval = 1.0
+    if options is not None:
+        live, report = asyncio.run(build_conductor(prefill, decode, options))
+        if report is not None:
+            log.warning("conductor calibration: %s", json.dumps(report))
+        kv_events = options.kv_events
+        interval = options.metrics_interval_s
+    proxy = PDProxy(
+        prefill, decode, timeout=timeout, live=live, kv_events=kv_events,
+        metrics_interval=interval,
+    )  # fmt: skip
     web.run_app(proxy.app, host=host, port=port, print=None, access_log=None)

@@ -216,7 +216,7 @@ class Conductor:
         if ttft > cfg.ttft_slo_s and not self._best_effort(now):
             reason, detail = (
                 RejectReason.TTFT_SLO,
-                (f"estimated time to first token {ttft:.1f}s exceeds the {cfg.ttft_slo_s:g}s SLO"),
+                (f"estimated time to first token {ttft:.3g}s exceeds the {cfg.ttft_slo_s:g}s SLO"),
             )
         elif tbt > cfg.tbt_slo_s:
             reason, detail = (
@@ -285,6 +285,48 @@ class Conductor:
         if output_tokens > 0:
             # Slow EWMA: the system-level prediction needs the typical length, not the last one.
             self._out_tokens += 0.01 * (output_tokens - self._out_tokens)
+
+    def set_external_load(
+        self,
+        instance: str,
+        *,
+        prefill_s: float | None = None,
+        decode_requests: int | None = None,
+        decode_kv_tokens: float | None = None,
+    ) -> None:
+        """Load an instance has beyond what this conductor placed (a live proxy's metrics feed).
+
+        ``prefill_s``: seconds of prefill work queued or running there that were not placed
+        here; ``decode_requests`` / ``decode_kv_tokens``: sequences decoding there that were not
+        sent from here. Each replaces the previous observation.
+        """
+        if prefill_s is not None:
+            if not math.isfinite(prefill_s) or prefill_s < 0:
+                raise ConfigError("prefill_s must be a finite time >= 0", prefill_s=prefill_s)
+            try:
+                self._prefill[instance].external_s = prefill_s
+            except KeyError:
+                raise ConfigError(f"unknown prefill instance {instance!r}") from None
+        if decode_requests is not None or decode_kv_tokens is not None:
+            view = self._decode.get(instance)
+            if view is None:
+                raise ConfigError(f"unknown decode instance {instance!r}")
+            if decode_requests is not None:
+                if decode_requests < 0:
+                    raise ConfigError("decode_requests must be >= 0")
+                view.external_requests = decode_requests
+            if decode_kv_tokens is not None:
+                if not math.isfinite(decode_kv_tokens) or decode_kv_tokens < 0:
+                    raise ConfigError("decode_kv_tokens must be >= 0")
+                view.external_kv_tokens = decode_kv_tokens
+
+    def placed_on(self, instance: str) -> int:
+        """Requests placed on ``instance`` (prefill or decode) and not reported done there."""
+        if instance in self._prefill:
+            return len(self._prefill[instance])
+        if instance in self._decode:
+            return len(self._decode[instance])
+        raise ConfigError(f"unknown instance {instance!r}")
 
     @property
     def expected_output_tokens(self) -> float:

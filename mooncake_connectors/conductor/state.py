@@ -31,6 +31,9 @@ class PrefillView:
         # Blocks that queued requests will have stored by the time a request placed now starts
         # (FIFO), with how many queued requests will produce each.
         self._pending: dict[int, int] = {}
+        # Work the instance has that this conductor did not place (a live proxy learns it from
+        # the instance's metrics), run before anything placed now.
+        self.external_s = 0.0
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -45,7 +48,7 @@ class PrefillView:
                 # A head running past its estimate is assumed to finish now, not in the past.
                 t = max(t, now)
                 first = False
-        return max(t, now)
+        return max(t, now) + self.external_s
 
     def queue_time(self, now: float) -> float:
         return self.drain_time(now) - now
@@ -100,6 +103,10 @@ class DecodeView:
     def __init__(self, model: DecodeModel) -> None:
         self.model = model
         self._reqs: dict[int, _Running] = {}
+        # Sequences decoding there that this conductor did not send (a live proxy reads them
+        # from the instance's metrics), with their KV tokens.
+        self.external_requests = 0
+        self.external_kv_tokens = 0.0
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -118,8 +125,8 @@ class DecodeView:
 
     def current_tbt(self, extra_tokens: int, out_tokens: float) -> float:
         """Step time now, with one more sequence of ``extra_tokens`` added (Algorithm 1's view)."""
-        batch = 1
-        kv = float(extra_tokens)
+        batch = 1 + self.external_requests
+        kv = float(extra_tokens) + self.external_kv_tokens
         for r in self._reqs.values():
             if r.started:
                 batch += 1
@@ -134,9 +141,9 @@ class DecodeView:
         Every request is assumed to decode for ``decode_s`` seconds after joining (the paper's
         system-level prediction, §7.3). Reserved counts each one's whole expected output.
         """
-        batch = 0
-        kv = 0.0
-        reserved = 0.0
+        batch = self.external_requests
+        kv = self.external_kv_tokens
+        reserved = self.external_kv_tokens
         for r in self._reqs.values():
             end = r.join_s + decode_s
             # One that already overran the typical duration (not reported done) is still there.
