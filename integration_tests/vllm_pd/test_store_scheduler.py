@@ -96,7 +96,9 @@ KCC = KVCacheConfig(
     kv_cache_groups=[
         KVCacheGroupSpec(
             LAYERS,
-            FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16),
+            FullAttentionSpec(
+                block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
+            ),
         )
     ],
 )
@@ -291,9 +293,7 @@ def test_worker_saves_then_another_worker_loads_the_same_bytes(tiny_model: Path,
         stats = a.stats.take()
         assert stats is not None and stats.reduce()["Blocks already stored"] == 2
         # a load of blocks the store lacks fails from the first missing block on
-        b.start_load_kv(
-            StoreConnectorMetadata(loads=[BlockSpec("m", [5, 6, 8, 9], hashes[1:5])])
-        )
+        b.start_load_kv(StoreConnectorMetadata(loads=[BlockSpec("m", [5, 6, 8, 9], hashes[1:5])]))
         wait_until(lambda: done(b, 1, "m"), 10, "the partial load")
         assert b.take_load_errors() == {8, 9}
         # the store server dies: the load fails by its deadline, every block reported
