@@ -325,3 +325,17 @@ def test_worker_without_store_fails_loads_at_once(tiny_model: Path) -> None:
         assert time.monotonic() - t0 < 1.0
     finally:
         w.shutdown()
+
+
+def test_failed_load_is_not_retried_for_the_same_request(tiny_model: Path, store) -> None:
+    # The store still lists the blocks (as it does for a while after a server died): after a
+    # failed load the request is computed, not sent back to the store again and again.
+    store_blocks(tiny_model, store[0], PROMPT, list(range(6)))
+    s = connected(make_scheduler(tiny_model, store[0], caching=False))
+    s.add_request(request("r8", PROMPT, 3))
+    out, _ = step(s)
+    (load,) = meta(out).loads
+    step(s, kv=KVConnectorOutput(finished_recving={"r8"}, invalid_block_ids=set(load.block_ids)))
+    out, _ = step(s, {"r8": 9})
+    assert out.num_scheduled_tokens == {"r8": 100}
+    assert meta(out).loads == []

@@ -101,6 +101,11 @@ class StoreScheduler:
         self.store = LazyStore(config, config.lookup_timeout, name="store scheduler")
         self._hashes: dict[str, list[str]] = {}  # request id -> chained hashes of its prompt
         self._hits: dict[str, _Hit] = {}
+        # Requests a load was issued for. One load per request: if it failed, vLLM reschedules
+        # the request and asks again, and the store may still list the lost blocks (a dead
+        # server's objects stay listed until the master notices); a second try would fail the
+        # same way, over and over.
+        self._loaded: set[str] = set()
         self._loads: list[BlockSpec] = []
         self._saves: list[BlockSpec] = []
 
@@ -139,7 +144,7 @@ class StoreScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        if not self.load:
+        if not self.load or request.request_id in self._loaded:
             return 0, False
         start = num_computed_tokens // self.block_size
         hit = self._hits.get(request.request_id)
@@ -159,6 +164,7 @@ class StoreScheduler:
         rid = request.request_id
         hit = self._hits.pop(rid, None)
         hashes = self._hashes.get(rid, [])
+        self._loaded.add(rid)
         (block_ids,) = blocks.get_block_ids()  # one KV cache group (checked at start)
         if hit is None:
             end = min(len(block_ids), -(-num_external_tokens // self.block_size))
@@ -193,6 +199,7 @@ class StoreScheduler:
 
         rid = request.request_id
         self._hits.pop(rid, None)
+        self._loaded.discard(rid)
         hashes = self._hashes.pop(rid, None)
         if not self.save or request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
