@@ -178,6 +178,7 @@ def test_store_server_killed_engine_recomputes_within_deadline(cluster: Cluster)
     elapsed = time.monotonic() - t0
     assert token_ids(answer) == reference
     assert elapsed < TIMEOUT + 15, f"took {elapsed:.1f}s"
+    assert "will be recomputed" in cluster.b.tail(400)  # the load-error path, not a miss
     # and a prompt the store never had still works
     q = prompt(301, 700)
     assert token_ids(completion(cluster.b.url, q, MAX_TOKENS)) == token_ids(
