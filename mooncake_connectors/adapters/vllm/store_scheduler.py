@@ -154,7 +154,7 @@ class StoreScheduler:
             hit = _Hit(start, start + held)
             self._hits[request.request_id] = hit
         count = hit.end * self.block_size - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        return (count, self.config.load_async) if count > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

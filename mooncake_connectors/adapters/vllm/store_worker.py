@@ -4,11 +4,14 @@ vLLM's KV cache tensors are registered with this worker's store client, so loads
 into vLLM's blocks (``batch_get_into``) and saves write straight from them (``batch_put_from``):
 no staging copy on either side. One object per block per layer (:mod:`.store_keys`).
 
-Store calls run on one thread of their own, loads before saves, so the model runner never waits
-for the store. Every call ends by the configured deadline; a load that misses, fails or times
-out reports its blocks (from the first one not loaded) through vLLM's load-error channel, and
-``kv_load_failure_policy="recompute"`` recomputes them. A save that fails is logged and counted;
-the request is released either way.
+Saves, and loads with ``load_async``, run on one thread of their own (loads first), so the model
+runner does not wait for them; without ``load_async`` a load runs inside ``start_load_kv`` of the
+step that computes the rest of the request, which is the shortest path to its first token (no
+extra scheduler steps, no thread hand-off inside a busy engine process). A lock keeps the two
+from using the client at once. Every call ends by the configured deadline; a load that misses,
+fails or times out reports its blocks (from the first one not loaded) through vLLM's load-error
+channel, and ``kv_load_failure_policy="recompute"`` recomputes them. A save that fails is logged
+and counted; the request is released either way.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class StoreWorker:
         self.store: LazyStore | None = None
         self.stats = StoreStats()
         self._lock = threading.Lock()
+        self._io = threading.Lock()  # one store call at a time (main thread and store thread)
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()
         self._saved: set[str] = set()
@@ -113,7 +117,10 @@ class StoreWorker:
     # -- per step ----------------------------------------------------------------------------
     def start_load_kv(self, meta: StoreConnectorMetadata) -> None:
         for spec in meta.loads:
-            self._submit(_LOAD, lambda s=spec: self._load(s))  # type: ignore[misc]
+            if self.config.load_async:
+                self._submit(_LOAD, lambda s=spec: self._load(s))  # type: ignore[misc]
+            else:
+                self._load(spec, report=False)  # done before this step's forward pass
         for spec in meta.saves:
             self._submit(_SAVE, lambda s=spec: self._save(s))  # type: ignore[misc]
 
@@ -156,7 +163,7 @@ class StoreWorker:
             raise _Refused("no store connection")
         return client
 
-    def _load(self, spec: BlockSpec) -> None:
+    def _load(self, spec: BlockSpec, report: bool = True) -> None:
         failed = set(spec.block_ids)
         t0 = time.perf_counter()
         nbytes = 0
@@ -168,7 +175,8 @@ class StoreWorker:
             keys, addrs, sizes = self._plan(spec)
             client = self._client()
             try:
-                got = client.batch_get_into(keys, addrs, sizes)
+                with self._io:
+                    got = client.batch_get_into(keys, addrs, sizes)
             except MooncakeConnectorsError as exc:  # no answer from the master: skip it a while
                 assert self.store is not None
                 self.store.failed(exc)
@@ -199,21 +207,23 @@ class StoreWorker:
                 self.stats.record_load(time.perf_counter() - t0, nbytes, len(spec.block_ids))
             with self._lock:
                 self._load_errors.update(failed)
-                self._loaded.add(spec.request_id)
+                if report:  # asynchronous loads end in get_finished
+                    self._loaded.add(spec.request_id)
 
     def _save(self, spec: BlockSpec) -> None:
         t0 = time.perf_counter()
         try:
             keys, addrs, sizes = self._plan(spec)
             client = self._client()
-            present = client.batch_exists(keys)
-            todo = [i for i, p in enumerate(present) if not p]
-            results = client.batch_put_from(
-                [keys[i] for i in todo],
-                [addrs[i] for i in todo],
-                [sizes[i] for i in todo],
-                replicas=self.config.replicas,
-            )
+            with self._io:
+                present = client.batch_exists(keys)
+                todo = [i for i, p in enumerate(present) if not p]
+                results = client.batch_put_from(
+                    [keys[i] for i in todo],
+                    [addrs[i] for i in todo],
+                    [sizes[i] for i in todo],
+                    replicas=self.config.replicas,
+                )
             errors = [e for e in results if e is not None and not isinstance(e, ObjectExists)]
             if errors:
                 self.stats.record_failed_save()
