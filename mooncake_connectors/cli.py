@@ -415,6 +415,9 @@ def bench_vllm_store(
         typer.Option(help="Also run vLLM's MooncakeStoreConnector when Mooncake's wheel is there."),
     ] = True,
     ours: Annotated[bool, typer.Option(help="Run our MooncakeConnectorsStore.")] = True,
+    ours_async: Annotated[
+        bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
+    ] = False,
     layers: Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")] = 4,
     kv_heads: Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")] = 4,
     memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
@@ -442,6 +445,7 @@ def bench_vllm_store(
             max_tokens=max_tokens,
             with_mooncake=mooncake,
             with_ours=ours,
+            with_ours_async=ours_async,
             layers=layers,
             kv_heads=kv_heads,
             memory=memory,
