@@ -115,7 +115,10 @@ def make_scheduler(
 
 
 def connected(s: Scheduler) -> Scheduler:
-    assert s.connector.scheduler.store.wait_connected(10)
+    store = s.connector.scheduler.store
+    assert store.wait_connected(10)
+    # connected with the store-call deadline, then held to the lookup deadline
+    assert store.get().cfg.timeout == store.config.lookup_timeout
     return s
 
 

@@ -44,10 +44,14 @@ class LazyStore:
 
     def _connect_loop(self) -> None:
         warned = False
+        # Connecting may take longer than one call may (a busy machine, a master starting up):
+        # connect with the store-call deadline, then hold calls to this client's own deadline.
+        connect_timeout = max(self.timeout, self.config.timeout)
         while not self._closed.is_set():
-            client = StoreClient(self.config.client_config(self.timeout))
+            client = StoreClient(self.config.client_config(connect_timeout))
             try:
                 client.start()
+                client.cfg = self.config.client_config(self.timeout)
                 if self.on_connect is not None:
                     self.on_connect(client)
             except (MooncakeConnectorsError, OSError) as exc:
