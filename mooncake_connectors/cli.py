@@ -418,6 +418,9 @@ def bench_vllm_store(
     ours_async: Annotated[
         bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
     ] = False,
+    transports: Annotated[
+        str, typer.Option(help="Our connector's transports, in preference order.")
+    ] = "shm,tcp",
     layers: Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")] = 4,
     kv_heads: Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")] = 4,
     memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
@@ -446,6 +449,7 @@ def bench_vllm_store(
             with_mooncake=mooncake,
             with_ours=ours,
             with_ours_async=ours_async,
+            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
             layers=layers,
             kv_heads=kv_heads,
             memory=memory,

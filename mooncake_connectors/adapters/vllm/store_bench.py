@@ -74,11 +74,20 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[i
 
 
 class _Ours:
-    def __init__(self, work: Path, memory: str, load_async: bool = False) -> None:
+    def __init__(
+        self,
+        work: Path,
+        memory: str,
+        load_async: bool = False,
+        transports: tuple[str, ...] = ("shm", "tcp"),
+    ) -> None:
         self.load_async = load_async
+        self.transports = transports
         self.name = "mooncake-connectors MooncakeConnectorsStore" + (
             " (load_async)" if load_async else ""
         )
+        if transports != ("shm", "tcp"):
+            self.name += f" ({','.join(transports)})"
         self.work = work
         self.memory = memory
         self.procs: list[Any] = []
@@ -99,7 +108,11 @@ class _Ours:
             "kv_connector_module_path": "mooncake_connectors.adapters.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"master": self.master, "load_async": self.load_async},
+            "kv_connector_extra_config": {
+                "master": self.master,
+                "load_async": self.load_async,
+                "transports": list(self.transports),
+            },
         }
 
     def env(self) -> dict[str, str]:
@@ -172,6 +185,7 @@ def run_store_benchmark(
     with_mooncake: bool = True,
     with_ours: bool = True,
     with_ours_async: bool = False,
+    transports: tuple[str, ...] = ("shm", "tcp"),
     model: Path | None = None,
     layers: int = 4,
     kv_heads: int = 4,
@@ -186,9 +200,9 @@ def run_store_benchmark(
     work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-store-"))
     work.mkdir(parents=True, exist_ok=True)
     model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
-    runners: list[Any] = [_Ours(work, memory)] if with_ours else []
+    runners: list[Any] = [_Ours(work, memory, transports=transports)] if with_ours else []
     if with_ours_async:
-        runners.append(_Ours(work, memory, load_async=True))
+        runners.append(_Ours(work, memory, load_async=True, transports=transports))
     skipped = None
     if with_mooncake:
         if importlib.util.find_spec("mooncake") is None:
