@@ -584,6 +584,63 @@ def bench_vllm_pd(
     _emit(result, output)
 
 
+@bench_app.command("vllm-store")
+def bench_vllm_store(
+    lengths: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths in tokens.")
+    ] = "512,1024,2048,4096,8192",
+    rounds: Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    mooncake: Annotated[
+        bool,
+        typer.Option(help="Also run vLLM's MooncakeStoreConnector when Mooncake's wheel is there."),
+    ] = True,
+    ours: Annotated[bool, typer.Option(help="Run our MooncakeConnectorsStore.")] = True,
+    ours_async: Annotated[
+        bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
+    ] = False,
+    transports: Annotated[
+        str, typer.Option(help="Our connector's transports, in preference order.")
+    ] = "shm,tcp",
+    layers: Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")] = 4,
+    kv_heads: Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")] = 4,
+    memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
+    settle: Annotated[
+        float, typer.Option(min=0.0, help="Seconds between the saving and the loading request.")
+    ] = 1.0,
+    work_dir: Annotated[
+        str | None, typer.Option(help="Keep the model and the engine logs here.")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
+    ] = None,
+    verbose: Verbose = 0,
+) -> None:
+    """vLLM prefix reuse through a store: TTFT on store hits, ours beside MooncakeStoreConnector."""
+    _setup_logging(verbose)
+    from pathlib import Path
+
+    from .adapters.vllm.store_bench import run_store_benchmark
+
+    with _progress("bench vllm-store") as advance:
+        result = run_store_benchmark(
+            lengths=[int(x) for x in lengths.split(",") if x.strip()],
+            rounds=rounds,
+            max_tokens=max_tokens,
+            with_mooncake=mooncake,
+            with_ours=ours,
+            with_ours_async=ours_async,
+            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            layers=layers,
+            kv_heads=kv_heads,
+            memory=memory,
+            settle=settle,
+            work_dir=Path(work_dir) if work_dir else None,
+            progress=advance,
+        )
+    _emit(result, output)
+
+
 @bench_app.command("conductor-live")
 def bench_conductor_live(
     docs: Annotated[

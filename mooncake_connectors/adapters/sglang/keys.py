@@ -19,10 +19,12 @@ The model name is percent-quoted so its slashes do not read as separators.
 from __future__ import annotations
 
 import dataclasses
-import urllib.parse
 from collections.abc import Sequence
 
 from ...errors import ConfigError
+from ..keys import Shard, quote_model
+
+__all__ = ["KeyScheme", "Shard", "page_format"]
 
 # SGLang host-pool layout -> byte order of one page in the store.
 LAYOUT_ORDER = {
@@ -34,35 +36,6 @@ LAYOUT_ORDER = {
 MHA_PARTS = ("k", "v")
 MLA_PARTS = ("kv",)
 FLAT_PART = "page"
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """Which slice of a model's KV cache one rank holds."""
-
-    is_mla: bool
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    cp_rank: int = 0
-    cp_size: int = 1
-
-    def __post_init__(self) -> None:
-        for rank, size, what in (
-            (self.tp_rank, self.tp_size, "tp"),
-            (self.pp_rank, self.pp_size, "pp"),
-            (self.cp_rank, self.cp_size, "cp"),
-        ):
-            if not 0 <= rank < size:
-                raise ConfigError(f"{what} rank {rank} is outside 0..{size - 1}")
-
-    def tag(self) -> str:
-        head = "mla" if self.is_mla else f"tp{self.tp_rank}-{self.tp_size}"
-        out = f"{head}.pp{self.pp_rank}-{self.pp_size}"
-        if self.cp_size > 1:
-            out += f".cp{self.cp_rank}-{self.cp_size}"
-        return out
 
 
 def page_format(layout: str, dtype: str, page_size: int, pool_tag: str | None = None) -> str:
@@ -97,8 +70,7 @@ class KeyScheme:
             ns += f".{self.tenant}"
         if self.tag:
             ns += f".{self.tag}"
-        model = urllib.parse.quote(self.model, safe="")
-        return f"{ns}/{model}/{self.shard.tag()}/{self.fmt}"
+        return f"{ns}/{quote_model(self.model)}/{self.shard.tag()}/{self.fmt}"
 
     def objects(self, page_keys: Sequence[str]) -> list[str]:
         """The zero-copy objects of these pages, page by page, parts in ``parts`` order."""

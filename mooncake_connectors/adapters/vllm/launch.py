@@ -294,3 +294,75 @@ def token_ids(answer: dict[str, Any]) -> list[int]:
     if ids is None:
         raise RuntimeError(f"no token_ids in answer: {answer}")
     return list(ids)
+
+
+class StoreMaster(Server):
+    """``mooncake-connectors master`` on loopback; ``address`` is its control-plane address.
+
+    Short heartbeat timers, so a killed store server is noticed within about a second.
+    """
+
+    name = "store-master"
+
+    def __init__(self, log_dir: Path, server_ttl: float = 1.0) -> None:
+        super().__init__(log_dir)  # ``port``: the HTTP /health and /metrics port
+        self.server_ttl = server_ttl
+        self.rpc_port = free_port()
+        self.address = f"127.0.0.1:{self.rpc_port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mooncake_connectors",
+            "master",
+            "--port",
+            str(self.rpc_port),
+            "--metrics-port",
+            str(self.port),
+            "--heartbeat-interval",
+            "0.2",
+            "--server-ttl",
+            str(self.server_ttl),
+        ]
+
+
+class StoreServerProcess(Server):
+    """``mooncake-connectors store-server``; ready once a probe value can be stored."""
+
+    name = "store-server"
+
+    def __init__(self, log_dir: Path, master: str, memory: str = "1G") -> None:
+        super().__init__(log_dir)  # the port is unused: the server has no HTTP endpoint
+        self.master = master
+        self.memory = memory
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mooncake_connectors",
+            "store-server",
+            "--memory",
+            self.memory,
+            "--master",
+            self.master,
+        ]
+
+    def wait_ready(self, timeout: float = 60.0) -> Server:
+        from ...errors import MooncakeConnectorsError
+        from ...store import ClientConfig, StoreClient
+
+        end = time.monotonic() + timeout
+        key = f"probe-{self.port}"
+        with StoreClient(ClientConfig(master=self.master, timeout=5.0)) as client:
+            while time.monotonic() < end:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"store server exited while starting:\n{self.tail()}")
+                try:
+                    client.put(key, b"x")
+                    client.remove(key, force=True)
+                    return self
+                except MooncakeConnectorsError:
+                    time.sleep(0.2)
+        raise TimeoutError(f"store server not ready after {timeout}s:\n{self.tail()}")

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from ...errors import PluginError
 from .config import CONNECTOR_NAME
+from .store_config import STORE_CONNECTOR_NAME
 
 CONNECTORS = {
-    CONNECTOR_NAME: ("mooncake_connectors.adapters.vllm.connector", "MooncakeConnectorsPD")
+    CONNECTOR_NAME: ("mooncake_connectors.adapters.vllm.connector", "MooncakeConnectorsPD"),
+    STORE_CONNECTOR_NAME: (
+        "mooncake_connectors.adapters.vllm.store_connector",
+        "MooncakeConnectorsStore",
+    ),
 }
 
 

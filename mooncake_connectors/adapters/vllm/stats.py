@@ -1,4 +1,5 @@
-"""PD transfer statistics in vLLM's connector-stats channel and on vLLM's ``/metrics``.
+"""Connector statistics in vLLM's connector-stats channel (PD transfers, store loads and saves),
+and the PD connector's on vLLM's ``/metrics``.
 
 Workers hand a snapshot to vLLM each step (``get_kv_connector_stats``); vLLM aggregates them,
 logs ``KV Transfer metrics: ...`` at its stats interval and hands the same data to ``PDPromMetrics``
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -24,16 +25,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_KEYS = ("load_seconds", "load_bytes", "load_requests", "failed_loads", "expired_leases")
-
 
 @dataclasses.dataclass
-class PDStats(KVConnectorStats):  # type: ignore[misc]  # Any without vLLM
-    """Lists of observations since the last snapshot (one entry per request or event)."""
+class ListStats(KVConnectorStats):  # type: ignore[misc]  # Any without vLLM
+    """Lists of observations since the last snapshot (one entry per request or event) under
+    the names in ``KEYS``; subclasses add ``record_*`` methods and ``reduce``."""
+
+    KEYS: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        for key in _KEYS:
+        for key in self.KEYS:
             self.data.setdefault(key, [])
 
     def __getstate__(self) -> dict[str, Any]:  # the lock does not cross processes
@@ -43,54 +45,124 @@ class PDStats(KVConnectorStats):  # type: ignore[misc]  # Any without vLLM
         self.data = state["data"]
         self._lock = threading.Lock()
 
-    def record_load(self, seconds: float, nbytes: int, nrequests: int) -> None:
+    def _add(self, **values: float) -> None:
         with self._lock:
-            self.data["load_seconds"].append(seconds)
-            self.data["load_bytes"].append(nbytes)
-            self.data["load_requests"].append(nrequests)
+            for key, value in values.items():
+                self.data[key].append(value)
 
-    def record_failed_load(self) -> None:
-        with self._lock:
-            self.data["failed_loads"].append(1)
-
-    def record_expired_lease(self) -> None:
-        with self._lock:
-            self.data["expired_leases"].append(1)
-
-    def take(self) -> PDStats | None:
+    def take(self) -> ListStats | None:
         """A snapshot of what was recorded (None when nothing was), and start over."""
         with self._lock:
             if self.is_empty():
                 return None
-            snap = PDStats(data={k: list(v) for k, v in self.data.items()})
+            snap = type(self)(data={k: list(v) for k, v in self.data.items()})
             self.reset()
         return snap
 
     def reset(self) -> None:
-        for key in _KEYS:
+        for key in self.KEYS:
             self.data[key] = []
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in _KEYS)
+        return not any(self.data.get(k) for k in self.KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in _KEYS:
+        for key in self.KEYS:
             self.data.setdefault(key, []).extend(other.data.get(key, []))
         return self
 
+
+def _avg_ms(secs: list[float]) -> float:
+    return round(1e3 * sum(secs) / len(secs), 3) if secs else 0
+
+
+def _p90_ms(secs: list[float]) -> float:
+    s = sorted(secs)
+    return round(1e3 * s[min(len(s) - 1, int(0.9 * len(s)))], 3) if s else 0
+
+
+@dataclasses.dataclass
+class PDStats(ListStats):
+    """PD transfers: per-request load time and bytes, failed loads, expired leases."""
+
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "load_seconds",
+        "load_bytes",
+        "load_requests",
+        "failed_loads",
+        "expired_leases",
+    )
+
+    def record_load(self, seconds: float, nbytes: int, nrequests: int) -> None:
+        self._add(load_seconds=seconds, load_bytes=nbytes, load_requests=nrequests)
+
+    def record_failed_load(self) -> None:
+        self._add(failed_loads=1)
+
+    def record_expired_lease(self) -> None:
+        self._add(expired_leases=1)
+
     def reduce(self) -> dict[str, int | float]:
-        secs = sorted(self.data["load_seconds"])
+        secs = self.data["load_seconds"]
         n = len(secs)
         total_bytes = sum(self.data["load_bytes"])
         total_secs = sum(secs)
         return {
             "Num successful transfers": n,
-            "Avg xfer time (ms)": round(1e3 * total_secs / n, 3) if n else 0,
-            "P90 xfer time (ms)": round(1e3 * secs[min(n - 1, int(0.9 * n))], 3) if n else 0,
+            "Avg xfer time (ms)": _avg_ms(secs),
+            "P90 xfer time (ms)": _p90_ms(secs),
             "Avg MB per transfer": round(total_bytes / n / 2**20, 3) if n else 0,
             "Throughput (MB/s)": round(total_bytes / 2**20 / total_secs, 3) if total_secs else 0,
             "Num failed transfers": len(self.data["failed_loads"]),
             "Num KV expired reqs": len(self.data["expired_leases"]),
+        }
+
+
+@dataclasses.dataclass
+class StoreStats(ListStats):
+    """Store connector: per-request loads and saves (time, bytes, blocks), failures, and blocks
+    a save skipped because the store already held them."""
+
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "load_seconds",
+        "load_bytes",
+        "load_blocks",
+        "failed_loads",
+        "save_seconds",
+        "save_bytes",
+        "save_blocks",
+        "skipped_blocks",
+        "failed_saves",
+    )
+
+    def record_load(self, seconds: float, nbytes: int, nblocks: int) -> None:
+        self._add(load_seconds=seconds, load_bytes=nbytes, load_blocks=nblocks)
+
+    def record_failed_load(self) -> None:
+        self._add(failed_loads=1)
+
+    def record_save(self, seconds: float, nbytes: int, nblocks: int, skipped: int) -> None:
+        self._add(save_seconds=seconds, save_bytes=nbytes, save_blocks=nblocks)
+        self._add(skipped_blocks=skipped)
+
+    def record_failed_save(self) -> None:
+        self._add(failed_saves=1)
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        return {
+            "Num store loads": len(d["load_seconds"]),
+            "Avg load time (ms)": _avg_ms(d["load_seconds"]),
+            "P90 load time (ms)": _p90_ms(d["load_seconds"]),
+            "Blocks loaded": int(sum(d["load_blocks"])),
+            "MB loaded": round(sum(d["load_bytes"]) / 2**20, 3),
+            "Num failed loads": len(d["failed_loads"]),
+            "Num store saves": len(d["save_seconds"]),
+            "Avg save time (ms)": _avg_ms(d["save_seconds"]),
+            "Blocks saved": int(sum(d["save_blocks"])),
+            "Blocks already stored": int(sum(d["skipped_blocks"])),
+            "MB saved": round(sum(d["save_bytes"]) / 2**20, 3),
+            "Num failed saves": len(d["failed_saves"]),
         }
 
 

@@ -1,0 +1,220 @@
+"""Scheduler-side bookkeeping of the store connector (runs in vLLM's engine-core process).
+
+Load: a new request's prompt is cut into vLLM blocks and each full block gets its chained hash
+(:mod:`.store_keys`). Beyond the blocks vLLM's own prefix cache already has, the store is asked
+(one ``batch_exists`` for every layer of every TP rank) how many following blocks it holds
+without a gap; those tokens are offered as an asynchronous external hit. Once vLLM has allocated
+blocks for them, the workers are told which keys go into which blocks.
+
+Save: when a request finishes normally, its full prompt blocks are handed to the workers, which
+write those the store lacks; vLLM keeps the blocks until the workers report the save done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ...errors import ConfigError, MooncakeConnectorsError
+from ..keys import Shard
+from .store_config import StoreConnectorConfig
+from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
+from .store_link import LazyStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BlockSpec:
+    """Load (or save) the blocks ``block_ids`` of request ``request_id``, whose chained hashes are
+    ``hashes`` (same order). ``error``: the scheduler already knows the load cannot happen; the
+    worker reports the blocks as failed so vLLM recomputes them."""
+
+    request_id: str
+    block_ids: list[int]
+    hashes: list[str]
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class StoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # Any without vLLM
+    loads: list[BlockSpec] = dataclasses.field(default_factory=list)
+    saves: list[BlockSpec] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Hit:
+    start: int  # first block looked up (vLLM's local prefix hit, in blocks)
+    end: int  # one past the last block the store holds without a gap
+
+
+def block_keys(
+    config: StoreConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[BlockKeys, list[str]]:
+    """The key scheme of TP rank 0 and the layer names, identical on scheduler and workers."""
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise ConfigError("the store connector does not support pipeline parallelism yet")
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError(
+            "the store connector needs one KV cache group (no hybrid KV cache manager); got "
+            f"{len(kv_cache_config.kv_cache_groups)}"
+        )
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    layout = layout_tag(
+        str(spec.dtype),
+        vllm_config.cache_config.block_size,
+        int(getattr(spec, "num_kv_heads", 0) or 0),
+        int(getattr(spec, "head_size", 0) or 0),
+    )
+    model = config.model_name or str(vllm_config.model_config.model)
+    shard = Shard(False, 0, pc.tensor_parallel_size)
+    return BlockKeys(config.namespace, model, layout, shard), list(group.layer_names)
+
+
+class StoreScheduler:
+    def __init__(
+        self,
+        config: StoreConnectorConfig,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        load: bool = True,
+        save: bool = True,
+    ) -> None:
+        self.config = config
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        self.keys, self.layers = block_keys(config, vllm_config, kv_cache_config)
+        self.load = load
+        self.save = save
+        self.store = LazyStore(config, config.lookup_timeout, name="store scheduler")
+        self._hashes: dict[str, list[str]] = {}  # request id -> chained hashes of its prompt
+        self._hits: dict[str, _Hit] = {}
+        # Requests a load was issued for. One load per request: if it failed, vLLM reschedules
+        # the request and asks again, and the store may still list the lost blocks (a dead
+        # server's objects stay listed until the master notices); a second try would fail the
+        # same way, over and over.
+        self._loaded: set[str] = set()
+        self._loads: list[BlockSpec] = []
+        self._saves: list[BlockSpec] = []
+
+    def _prompt_hashes(self, request: Request) -> list[str]:
+        hashes = self._hashes.get(request.request_id)
+        if hashes is None:
+            prompt = request.prompt_token_ids
+            hashes = [] if prompt is None else prompt_block_hashes(prompt, self.block_size)
+            self._hashes[request.request_id] = hashes
+        return hashes
+
+    def _held_blocks(self, hashes: list[str]) -> int:
+        """How many of ``hashes``, from the first, the store holds for every layer and rank."""
+        client = self.store.get()
+        if client is None or not hashes:
+            return 0
+        keys = []
+        for r in range(self.tp_size):
+            keys.extend(self.keys.for_rank(r).keys(hashes, self.layers))
+        try:
+            present = client.batch_exists(keys)
+        except MooncakeConnectorsError as exc:
+            self.store.failed(exc)
+            return 0
+        # keys are rank-major, then block, then layer
+        n = len(hashes)
+        span = len(self.layers)
+        for b in range(n):
+            for r in range(self.tp_size):
+                at = r * n * span + b * span
+                if not all(present[at : at + span]):
+                    return b
+        return n
+
+    # -- load --------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if not self.load or request.request_id in self._loaded:
+            return 0, False
+        start = num_computed_tokens // self.block_size
+        hit = self._hits.get(request.request_id)
+        if hit is None or start < hit.start:  # asked again with less cached locally: look again
+            hashes = self._prompt_hashes(request)
+            held = self._held_blocks(hashes[start:]) if start < len(hashes) else 0
+            hit = _Hit(start, start + held)
+            self._hits[request.request_id] = hit
+        count = hit.end * self.block_size - num_computed_tokens
+        return (count, self.config.load_async) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return  # nothing to load (or the second call, after the load)
+        rid = request.request_id
+        hit = self._hits.pop(rid, None)
+        hashes = self._hashes.get(rid, [])
+        self._loaded.add(rid)
+        (block_ids,) = blocks.get_block_ids()  # one KV cache group (checked at start)
+        if hit is None:
+            end = min(len(block_ids), -(-num_external_tokens // self.block_size))
+            self._loads.append(BlockSpec(rid, list(block_ids[:end]), [], "no lookup recorded"))
+            return
+        local = hit.end * self.block_size - num_external_tokens
+        start, end = local // self.block_size, hit.end
+        if local < 0 or local % self.block_size or len(block_ids) < end or len(hashes) < end:
+            # Never expected from vLLM's scheduler; fail safe: recompute the whole load.
+            end = min(end, len(block_ids))
+            self._loads.append(
+                BlockSpec(
+                    rid,
+                    list(block_ids[max(0, start) : end]),
+                    [],
+                    f"unexpected allocation (local hit {local}, {len(block_ids)} blocks)",
+                )
+            )
+            return
+        self._loads.append(BlockSpec(rid, list(block_ids[start:end]), hashes[start:end]))
+
+    # -- both --------------------------------------------------------------------------------
+    def build_connector_meta(self) -> StoreConnectorMetadata:
+        meta = StoreConnectorMetadata(loads=self._loads, saves=self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        self._hits.pop(rid, None)
+        self._loaded.discard(rid)
+        hashes = self._hashes.pop(rid, None)
+        if not self.save or request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None  # aborted or failed: its KV may be incomplete
+        if hashes is None:
+            hashes = self._prompt_hashes(request)
+            self._hashes.pop(rid, None)
+        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
+        n = min(len(hashes), computed // self.block_size, len(block_ids))
+        if n <= 0 or self.store.get() is None:
+            return False, None
+        self._saves.append(BlockSpec(rid, list(block_ids[:n]), hashes[:n]))
+        return True, None  # vLLM keeps the blocks until the workers report the save done
+
+    def shutdown(self) -> None:
+        self.store.close()

@@ -1,0 +1,260 @@
+"""Worker side of the store connector (runs in each vLLM worker, one per TP rank).
+
+vLLM's KV cache tensors are registered with this worker's store client, so loads read straight
+into vLLM's blocks (``batch_get_into``) and saves write straight from them (``batch_put_from``):
+no staging copy on either side. One object per block per layer (:mod:`.store_keys`).
+
+Saves, and loads with ``load_async``, run on one thread of their own (loads first), so the model
+runner does not wait for them; without ``load_async`` a load runs inside ``start_load_kv`` of the
+step that computes the rest of the request, which is the shortest path to its first token (no
+extra scheduler steps, no thread hand-off inside a busy engine process). A lock keeps the two
+from using the client at once. Every call ends by the configured deadline; a load that misses,
+fails or times out reports its blocks (from the first one not loaded) through vLLM's load-error
+channel, and ``kv_load_failure_policy="recompute"`` recomputes them. A save that fails is logged
+and counted; the request is released either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ...errors import ConfigError, MooncakeConnectorsError, ObjectExists
+from ...store.client import StoreClient
+from .layout import layer_layouts, register_spans
+from .side_channel import LayerLayout
+from .stats import StoreStats
+from .store_config import StoreConnectorConfig
+from .store_keys import BlockKeys
+from .store_link import LazyStore
+from .store_scheduler import BlockSpec, StoreConnectorMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_LOAD, _SAVE, _STOP = 0, 1, 2  # job priorities: loads first
+
+
+class _Refused(MooncakeConnectorsError):
+    """A load that is not attempted (its reason is logged); its blocks are recomputed."""
+
+
+class StoreWorker:
+    def __init__(
+        self,
+        config: StoreConnectorConfig,
+        keys: BlockKeys,
+        layer_names: list[str],
+        num_blocks: int,
+        num_kv_heads: int = 0,
+    ) -> None:
+        self.config = config
+        self.keys = keys
+        self.layer_names = layer_names
+        self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads
+        self.layers: list[LayerLayout] = []
+        self.store: LazyStore | None = None
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._io = threading.Lock()  # one store call at a time (main thread and store thread)
+        self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()
+        self._saved: set[str] = set()
+        self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="mc-store-io", daemon=True)
+        self._thread.start()
+
+    # -- setup -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], tp_rank: int) -> None:
+        if not kv_caches:
+            raise ConfigError("no KV cache tensors to register")
+        if set(kv_caches) != set(self.layer_names):
+            raise ConfigError(
+                f"KV cache layers {sorted(kv_caches)} differ from the KV cache group's "
+                f"{sorted(self.layer_names)}"
+            )
+        by_name = {}
+        for name, tensor in kv_caches.items():
+            lays = layer_layouts(name, tensor, self.num_blocks, self.num_kv_heads)
+            if len(lays) != 1:
+                raise ConfigError(
+                    f"KV cache of layer {name} (shape {tuple(tensor.shape)}) keeps K and V "
+                    "apart; the store connector needs one contiguous range per block and layer "
+                    "(vLLM's CPU layout)"
+                )
+            by_name[name] = lays[0]
+        self.layers = [by_name[n] for n in self.layer_names]
+        self.keys = self.keys.for_rank(tp_rank)
+        spans = register_spans(self.layers)
+
+        def on_connect(client: StoreClient) -> None:
+            for addr, size in spans:  # zero-copy: the store reads and writes vLLM's blocks
+                client.register_buffer(addr, size)
+
+        self.store = LazyStore(
+            self.config, self.config.timeout, on_connect, name=f"store worker {tp_rank}"
+        )
+        log.info(
+            "store worker %d: %d layers, %d blocks of %d bytes, keys %s/...",
+            tp_rank,
+            len(self.layers),
+            self.num_blocks,
+            self.layers[0].block_bytes,
+            self.keys.prefix,
+        )
+
+    # -- per step ----------------------------------------------------------------------------
+    def start_load_kv(self, meta: StoreConnectorMetadata) -> None:
+        for spec in meta.loads:
+            if self.config.load_async:
+                self._submit(_LOAD, lambda s=spec: self._load(s))  # type: ignore[misc]
+            else:
+                self._load(spec, report=False)  # done before this step's forward pass
+        for spec in meta.saves:
+            self._submit(_SAVE, lambda s=spec: self._save(s))  # type: ignore[misc]
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            saved, self._saved = self._saved, set()
+            loaded, self._loaded = self._loaded, set()
+        return saved or None, loaded or None
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- the store thread --------------------------------------------------------------------
+    def _submit(self, prio: int, job: Callable[[], None] | None) -> None:
+        self._jobs.put((prio, next(self._seq), job))
+
+    def _run(self) -> None:
+        while True:
+            _, _, job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def _plan(self, spec: BlockSpec) -> tuple[list[str], list[int], list[int]]:
+        keys = self.keys.keys(spec.hashes, self.layer_names)
+        addrs, sizes = [], []
+        for b in spec.block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise _Refused(f"block id {b} outside 0..{self.num_blocks - 1}")
+            for lay in self.layers:
+                addrs.append(lay.addr + b * lay.stride)
+                sizes.append(lay.block_bytes)
+        return keys, addrs, sizes
+
+    def _client(self) -> StoreClient:
+        client = None if self.store is None else self.store.get()
+        if client is None:
+            raise _Refused("no store connection")
+        return client
+
+    def _load(self, spec: BlockSpec, report: bool = True) -> None:
+        failed = set(spec.block_ids)
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            if spec.error:
+                raise _Refused(spec.error)
+            if len(spec.hashes) != len(spec.block_ids):
+                raise _Refused(f"{len(spec.hashes)} hashes for {len(spec.block_ids)} blocks")
+            keys, addrs, sizes = self._plan(spec)
+            client = self._client()
+            try:
+                with self._io:
+                    got = client.batch_get_into(keys, addrs, sizes)
+            except MooncakeConnectorsError as exc:  # no answer from the master: skip it a while
+                assert self.store is not None
+                self.store.failed(exc)
+                raise
+            per_block = len(self.layers)
+            bad = next((i for i, n in enumerate(got) if n != sizes[i]), None)
+            if bad is None:
+                failed = set()
+                nbytes = sum(sizes)
+            else:
+                first = bad // per_block
+                failed = set(spec.block_ids[first:])
+                raise _Refused(f"block {first} of {len(spec.block_ids)}: {got[bad]!r}")
+        except MooncakeConnectorsError as exc:
+            log.warning(
+                "request %s: KV load from the store failed, %d blocks will be recomputed: %s",
+                spec.request_id,
+                len(failed),
+                exc,
+            )
+        except Exception:  # never lose a request: anything else is a failed load too
+            log.exception("request %s: KV load from the store failed", spec.request_id)
+            failed = set(spec.block_ids)
+        finally:
+            if failed:
+                self.stats.record_failed_load()
+            else:
+                self.stats.record_load(time.perf_counter() - t0, nbytes, len(spec.block_ids))
+            with self._lock:
+                self._load_errors.update(failed)
+                if report:  # asynchronous loads end in get_finished
+                    self._loaded.add(spec.request_id)
+
+    def _save(self, spec: BlockSpec) -> None:
+        t0 = time.perf_counter()
+        try:
+            keys, addrs, sizes = self._plan(spec)
+            client = self._client()
+            with self._io:
+                present = client.batch_exists(keys)
+                todo = [i for i, p in enumerate(present) if not p]
+                results = client.batch_put_from(
+                    [keys[i] for i in todo],
+                    [addrs[i] for i in todo],
+                    [sizes[i] for i in todo],
+                    replicas=self.config.replicas,
+                )
+            errors = [e for e in results if e is not None and not isinstance(e, ObjectExists)]
+            if errors:
+                self.stats.record_failed_save()
+                log.warning(
+                    "request %s: %d of %d KV objects not saved: %s",
+                    spec.request_id,
+                    len(errors),
+                    len(todo),
+                    errors[0],
+                )
+            per_block = len(self.layers)
+            self.stats.record_save(
+                time.perf_counter() - t0,
+                sum(sizes[i] for i in todo),
+                -(-len(todo) // per_block),
+                (len(keys) - len(todo)) // per_block,
+            )
+        except _Refused as exc:
+            log.info("request %s: KV not saved: %s", spec.request_id, exc)
+        except MooncakeConnectorsError as exc:
+            self.stats.record_failed_save()
+            log.warning("request %s: KV save failed: %s", spec.request_id, exc)
+        except Exception:
+            self.stats.record_failed_save()
+            log.exception("request %s: KV save failed", spec.request_id)
+        finally:
+            with self._lock:
+                self._saved.add(spec.request_id)
+
+    def shutdown(self) -> None:
+        self._submit(_STOP, None)
+        self._thread.join(timeout=self.config.timeout + 5)
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,84 @@
+"""The store connector's pure parts: extra-config validation and prefix-hash keys (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_connectors.adapters.keys import Shard, chained_block_hashes
+from mooncake_connectors.adapters.vllm.store_config import STORE_KEYS, StoreConnectorConfig
+from mooncake_connectors.adapters.vllm.store_keys import BlockKeys, layout_tag, prompt_block_hashes
+from mooncake_connectors.errors import ConfigError
+
+
+def test_defaults_are_loopback_and_every_key_is_documented() -> None:
+    c = StoreConnectorConfig.from_extra_config(None)
+    assert c.master.startswith("127.0.0.1:") and c.host == "127.0.0.1"
+    assert {f for f in StoreConnectorConfig.__dataclass_fields__} == set(STORE_KEYS)
+
+
+def test_unknown_key_names_it_and_lists_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError, match=r"\['timout'\].*allowed: \[.*'timeout'"):
+        StoreConnectorConfig.from_extra_config({"timout": 3})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"timeout": 0},
+        {"timeout": "5"},
+        {"replicas": 0},
+        {"replicas": 1.5},
+        {"namespace": "a/b"},
+        {"master": ""},
+        {"master": "nohostport"},
+        {"transports": []},
+        {"lookup_timeout": True},
+    ],
+)
+def test_bad_values_are_clear_errors(extra: dict) -> None:
+    with pytest.raises(ConfigError):
+        StoreConnectorConfig.from_extra_config(extra)
+
+
+def test_values_are_converted() -> None:
+    c = StoreConnectorConfig.from_extra_config(
+        {"transports": "tcp, shm", "timeout": 2, "replicas": 2, "model_name": "m/x"}
+    )
+    assert c.transports == ("tcp", "shm") and c.timeout == 2.0 and c.replicas == 2
+    client = c.client_config(c.timeout)
+    assert client.timeout == 2.0 and client.rpc_timeout <= 2.0 and client.master == c.master
+
+
+def test_chained_hashes_name_the_whole_prefix() -> None:
+    a = list(range(100))
+    b = list(a)
+    b[40] = 7  # in block 2 (16 tokens a block)
+    ha, hb = chained_block_hashes(a, 16), chained_block_hashes(b, 16)
+    assert len(ha) == 6  # full blocks only
+    assert ha[:2] == hb[:2] and all(x != y for x, y in zip(ha[2:], hb[2:], strict=True))
+    assert chained_block_hashes(a[:50], 16) == ha[:3]  # the same prefix, the same hashes
+    with pytest.raises(ConfigError):
+        chained_block_hashes(a, 0)
+
+
+def test_the_last_prompt_token_is_never_in_a_stored_block() -> None:
+    assert len(prompt_block_hashes(list(range(64)), 16)) == 3  # 64 tokens: block 3 holds the last
+    assert len(prompt_block_hashes(list(range(65)), 16)) == 4
+    assert prompt_block_hashes([], 16) == []
+
+
+def test_keys_differ_by_model_layout_rank_and_layer() -> None:
+    base = BlockKeys(
+        "vllm", "org/model", layout_tag("torch.bfloat16", 16, 2, 64), Shard(False, 0, 2)
+    )
+    (k,) = base.keys(["ab"], ["layer0"])
+    assert k == "vllm/org%2Fmodel/bfloat16.b16.h2x64/tp0-2.pp0-1/ab/layer0"
+    assert base.for_rank(1).keys(["ab"], ["layer0"]) != [k]
+    assert base.keys(["ab", "cd"], ["l0", "l1"]) == [
+        f"{base.prefix}/ab/l0",
+        f"{base.prefix}/ab/l1",
+        f"{base.prefix}/cd/l0",
+        f"{base.prefix}/cd/l1",
+    ]
+    with pytest.raises(ConfigError):
+        layout_tag("bfloat16", 16, 0, 64)
