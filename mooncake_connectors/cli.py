@@ -251,6 +251,10 @@ def demo(
         int, typer.Option(min=1, max=8192, help="Longest prompt, in tokens.")
     ] = 1500,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 32,
+    store: Annotated[
+        bool,
+        typer.Option(help="Start the store; the prefill engine saves to it and loads from it."),
+    ] = True,
     work_dir: Annotated[
         str | None, typer.Option(help="Keep the model and the engine logs here.")
     ] = None,
@@ -259,7 +263,7 @@ def demo(
     ] = None,
     verbose: Verbose = 0,
 ) -> None:
-    """Prefill/decode disaggregation end to end: a tiny model, two vLLM engines, the proxy."""
+    """Prefill/decode disaggregation end to end: tiny model, store, two vLLM engines, proxy."""
     _setup_logging(verbose)
     import importlib.util
     from pathlib import Path
@@ -284,6 +288,7 @@ def demo(
                 min_tokens=min_tokens,
                 max_prompt_tokens=max_prompt_tokens,
                 max_tokens=max_tokens,
+                store=store,
                 work_dir=Path(work_dir) if work_dir else None,
                 say=say,
             )

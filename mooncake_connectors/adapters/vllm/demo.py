@@ -32,7 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .launch import ProxyServer, VllmServer, stream_completion
+from .launch import (
+    ProxyServer,
+    Server,
+    StoreMaster,
+    StoreServerProcess,
+    VllmServer,
+    stream_completion,
+)
 
 Say = Callable[[str], None]
 _EXTERNAL = "vllm:external_prefix_cache_hits_total"  # prompt tokens a KV connector provided
@@ -74,12 +81,38 @@ def _concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str
     }
 
 
+def _kv_configs(master: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill, decode) ``--kv-transfer-config``: PD on both; with a store master, the prefill
+    also saves to and loads from the store (vLLM's MultiConnector over our two connectors)."""
+    pd = {"kv_connector": "MooncakeConnectorsPD", "kv_load_failure_policy": "recompute"}
+    decode = {**pd, "kv_role": "kv_consumer"}
+    if master is None:
+        return {**pd, "kv_role": "kv_producer"}, decode
+    prefill = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "MooncakeConnectorsPD", "kv_role": "kv_producer"},
+                {
+                    "kv_connector": "MooncakeConnectorsStore",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"master": master},
+                },
+            ]
+        },
+    }
+    return prefill, decode
+
+
 def run_demo(
     *,
     prompts: int = 8,
     min_tokens: int = 300,
     max_prompt_tokens: int = 1500,
     max_tokens: int = 32,
+    store: bool = True,
     work_dir: Path | None = None,
     say: Say = lambda _: None,
 ) -> dict[str, Any]:
@@ -94,57 +127,79 @@ def run_demo(
     model = build(work / "model")
     max_len = max_prompt_tokens + max_tokens + 64
     args = ("--no-enable-prefix-caching",)
-    pd = {"kv_connector": "MooncakeConnectorsPD", "kv_load_failure_policy": "recompute"}
+    servers: list[Server] = []
+    master = None
+    if store:
+        master_proc = StoreMaster(work)
+        servers += [master_proc, StoreServerProcess(work, master_proc.address, memory="512M")]
+        master = master_proc.address
+    prefill_kv, decode_kv = _kv_configs(master)
     prefill = VllmServer(
-        work, model, core=0, max_model_len=max_len, args=args,
-        kv_transfer_config={**pd, "kv_role": "kv_producer"},
-    )  # fmt: skip
+        work, model, core=0, max_model_len=max_len, args=args, kv_transfer_config=prefill_kv
+    )
     decode = VllmServer(
-        work, model, core=1, max_model_len=max_len, args=args,
-        kv_transfer_config={**pd, "kv_role": "kv_consumer"},
-    )  # fmt: skip
+        work, model, core=1, max_model_len=max_len, args=args, kv_transfer_config=decode_kv
+    )
     proxy = ProxyServer(work, [prefill.url], [decode.url])
-    servers = [prefill, decode, proxy]
+    servers += [prefill, decode, proxy]
+    batch = demo_prompts(prompts, min_tokens, max_prompt_tokens)
+    burst = demo_prompts(prompts, min_tokens, max_prompt_tokens, seed=8)
+    repeat: dict[str, Any] | None = None
     try:
-        say("starting the prefill and decode vLLM engines (about a minute on two cores)")
+        say(
+            ("starting the store, " if store else "starting ")
+            + "the prefill and decode vLLM engines (about a minute on two cores)"
+        )
         for s in servers:
             s.launch()
         for s in servers:
             s.wait_ready()
         say(f"prefill {prefill.url}, decode {decode.url}, proxy {proxy.url}")
-        batch = demo_prompts(prompts, min_tokens, max_prompt_tokens)
-        stream_completion(prefill.url, batch[0][:64], 2)  # warm both paths once
-        stream_completion(proxy.url, batch[-1][:64], 2)
+        # The decode engine alone is the single-engine reference: it has no store, so nothing the
+        # reference computes is saved where the disaggregated runs could find it.
+        stream_completion(decode.url, batch[0][:64], 2)  # warm both paths once
+        stream_completion(proxy.url, demo_prompts(1, 64, 64, seed=9)[0], 2)
         external0 = decode.metric(_EXTERNAL)
         say(f"{prompts} prompts, one at a time: single engine, then disaggregated")
-        single = _sequential(prefill.url, batch, max_tokens)
+        single = _sequential(decode.url, batch, max_tokens)
         disagg = _sequential(proxy.url, batch, max_tokens)
         external = decode.metric(_EXTERNAL) - external0
-        say(f"{prompts} prompts at once: single engine, then disaggregated")
-        single_tp = _concurrent(prefill.url, batch, max_tokens)
-        disagg_tp = _concurrent(proxy.url, batch, max_tokens)
+        if store:
+            say(f"the same {prompts} prompts again: the prefill engine loads them from the store")
+            hits0 = prefill.metric(_EXTERNAL)
+            repeat = _sequential(proxy.url, batch, max_tokens)
+            repeat["prefill_prompt_tokens_from_store"] = int(prefill.metric(_EXTERNAL) - hits0)
+        say(f"{prompts} other prompts at once: single engine, then disaggregated")
+        single_tp = _concurrent(decode.url, burst, max_tokens)
+        disagg_tp = _concurrent(proxy.url, burst, max_tokens)
     finally:
         for s in reversed(servers):
             s.stop()
-    reference = single["answers"]
-    identical = sum(a == b for a, b in zip(disagg["answers"], reference, strict=True))
-    identical_tp = sum(a == b for a, b in zip(disagg_tp["answers"], reference, strict=True))
-    prompt_tokens = sum(len(p) for p in batch)
-    for d in (single, disagg, single_tp, disagg_tp):
+    ways = {"single_engine": single, "disaggregated": disagg}
+    if repeat is not None:
+        ways["disaggregated_store_hit"] = repeat
+    identical = {
+        name: sum(a == b for a, b in zip(way.pop("answers"), single["answers"], strict=True))
+        for name, way in ways.items()
+        if name != "single_engine"
+    }
+    identical["all_at_once"] = sum(
+        a == b for a, b in zip(disagg_tp["answers"], single_tp["answers"], strict=True)
+    )
+    single.pop("answers")
+    for d in (single_tp, disagg_tp):
         d.pop("answers")
+    prompt_tokens = sum(len(p) for p in batch)
     return {
-        "demo": "vllm-pd",
+        "demo": "vllm-pd" + ("+store" if store else ""),
         "model": str(model),
         "prompts": prompts,
         "prompt_tokens": [len(p) for p in batch],
         "max_tokens": max_tokens,
-        "one_at_a_time": {"single_engine": single, "disaggregated": disagg},
+        "one_at_a_time": ways,
         "all_at_once": {"single_engine": single_tp, "disaggregated": disagg_tp},
-        "tokens_identical": {
-            "one_at_a_time": f"{identical}/{prompts}",
-            "all_at_once": f"{identical_tp}/{prompts}",
-        },
-        "all_identical": identical == prompts and identical_tp == prompts,
+        "tokens_identical": {k: f"{v}/{prompts}" for k, v in identical.items()},
+        "all_identical": all(v == prompts for v in identical.values()),
         "decode_prompt_tokens_from_transfer": f"{int(external)}/{prompt_tokens}",
         "logs": str(work),
     }
@@ -153,22 +208,36 @@ def run_demo(
 def render(report: dict[str, Any]) -> str:
     """The report as a few lines for a terminal."""
     one, all_ = report["one_at_a_time"], report["all_at_once"]
+    cols = [("single engine", "single_engine"), ("disaggregated", "disaggregated")]
+    if "disaggregated_store_hit" in one:
+        cols.append(("+ store hit", "disaggregated_store_hit"))
+
+    def row(label: str, values: list[Any]) -> str:
+        return f"{label:28}" + "".join(f"{v:>16}" for v in values)
+
+    same = report["tokens_identical"]
     lines = [
         f"{report['prompts']} prompts of {min(report['prompt_tokens'])}-"
         f"{max(report['prompt_tokens'])} tokens, {report['max_tokens']} generated each (greedy)",
         "",
-        f"{'':28}{'single engine':>16}{'disaggregated':>16}",
-        f"{'TTFT mean (ms)':28}{one['single_engine']['ttft_ms_mean']:>16}"
-        f"{one['disaggregated']['ttft_ms_mean']:>16}",
-        f"{'TTFT p50 (ms)':28}{one['single_engine']['ttft_ms_p50']:>16}"
-        f"{one['disaggregated']['ttft_ms_p50']:>16}",
-        f"{'throughput (output tok/s)':28}{all_['single_engine']['output_tokens_per_s']:>16}"
-        f"{all_['disaggregated']['output_tokens_per_s']:>16}",
+        row("", [c for c, _ in cols]),
+        row("TTFT mean (ms)", [one[k]["ttft_ms_mean"] for _, k in cols]),
+        row("TTFT p50 (ms)", [one[k]["ttft_ms_p50"] for _, k in cols]),
+        row(
+            "throughput (output tok/s)",
+            [all_[k]["output_tokens_per_s"] for _, k in cols[:2]] + ["-"] * (len(cols) - 2),
+        ),
         "",
-        f"tokens identical to the single engine: {report['tokens_identical']['one_at_a_time']}"
-        f" one at a time, {report['tokens_identical']['all_at_once']} all at once",
+        "tokens identical to the single engine: "
+        + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in same.items()),
         f"decode prompt tokens taken from the KV transfer: "
         f"{report['decode_prompt_tokens_from_transfer']}",
-        f"engine logs: {report['logs']}",
     ]
+    if "disaggregated_store_hit" in one:
+        hit = one["disaggregated_store_hit"]["prefill_prompt_tokens_from_store"]
+        lines.append(
+            f"prefill prompt tokens loaded from the store on the repeat: {hit}/"
+            f"{sum(report['prompt_tokens'])}"
+        )
+    lines.append(f"engine logs: {report['logs']}")
     return "\n".join(lines)

@@ -166,12 +166,18 @@ class StoreStats(ListStats):
         }
 
 
-_PREFIX = "vllm:mooncake_connectors_pd_"
-_LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 20.0]
+_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 20.0]
+
+# (stats key, metric name, kind, help). kind: "seconds" -> a histogram of every entry; "sum" ->
+# a counter of the entries' sum; "count" -> a counter of the number of entries.
+_Spec = tuple[str, str, str, str]
 
 
-class PDPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any without vLLM
-    """The PD connector's metrics in vLLM's Prometheus registry, one child per engine."""
+class _PromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any without vLLM
+    """A connector's stats in vLLM's Prometheus registry, one child per engine (``SPECS``)."""
+
+    PREFIX: ClassVar[str] = ""
+    SPECS: ClassVar[tuple[_Spec, ...]] = ()
 
     def __init__(
         self,
@@ -181,41 +187,51 @@ class PDPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any withou
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-        def per_engine(cls: Any, name: str, doc: str, **kw: Any) -> dict[int, Any]:
-            metric = cls(name=_PREFIX + name, documentation=doc, labelnames=labelnames, **kw)
-            return create_metric_per_engine(metric, per_engine_labelvalues)  # type: ignore[no-any-return]
-
-        self.load_seconds = per_engine(
-            self._histogram_cls,
-            "load_seconds",
-            "Seconds one request's KV read from its prefill instance took (decode side).",
-            buckets=_LOAD_BUCKETS,
-        )
-        self.load_bytes = per_engine(
-            self._counter_cls, "load_bytes", "KV bytes read from prefill instances."
-        )
-        self.loads = per_engine(self._counter_cls, "loads", "Requests whose KV was read.")
-        self.failed = per_engine(
-            self._counter_cls,
-            "failed_loads",
-            "Requests whose KV read failed or timed out (recomputed or failed by policy).",
-        )
-        self.expired = per_engine(
-            self._counter_cls,
-            "expired_leases",
-            "Finished prefill requests whose blocks were freed before any decode read them.",
-        )
+        self._series: list[tuple[str, str, dict[int, Any]]] = []
+        for key, name, kind, doc in self.SPECS:
+            cls = self._histogram_cls if kind == "seconds" else self._counter_cls
+            kw: dict[str, Any] = {"buckets": _BUCKETS} if kind == "seconds" else {}
+            metric = cls(name=self.PREFIX + name, documentation=doc, labelnames=labelnames, **kw)
+            per_engine = create_metric_per_engine(metric, per_engine_labelvalues)
+            self._series.append((key, kind, per_engine))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        data = transfer_stats_data
-        for secs in data.get("load_seconds", []):
-            self.load_seconds[engine_idx].observe(secs)
-        if nbytes := sum(data.get("load_bytes", [])):
-            self.load_bytes[engine_idx].inc(nbytes)
-        if n := len(data.get("load_seconds", [])):
-            self.loads[engine_idx].inc(n)
-        if n := len(data.get("failed_loads", [])):
-            self.failed[engine_idx].inc(n)
-        if n := len(data.get("expired_leases", [])):
-            self.expired[engine_idx].inc(n)
+        for key, kind, per_engine in self._series:
+            values = transfer_stats_data.get(key) or []
+            if kind == "seconds":
+                for v in values:
+                    per_engine[engine_idx].observe(v)
+            elif amount := (sum(values) if kind == "sum" else len(values)):
+                per_engine[engine_idx].inc(amount)
+
+
+class PDPromMetrics(_PromMetrics):
+    PREFIX = "vllm:mooncake_connectors_pd_"
+    SPECS = (
+        ("load_seconds", "load_seconds", "seconds", "One request's KV read from prefill (decode)."),
+        ("load_bytes", "load_bytes", "sum", "KV bytes read from prefill instances."),
+        ("load_seconds", "loads", "count", "Requests whose KV was read."),
+        ("failed_loads", "failed_loads", "count", "Requests whose KV read failed or timed out."),
+        (
+            "expired_leases",
+            "expired_leases",
+            "count",
+            "Finished prefill requests whose blocks were freed before any decode read them.",
+        ),
+    )
+
+
+class StorePromMetrics(_PromMetrics):
+    PREFIX = "vllm:mooncake_connectors_store_"
+    SPECS = (
+        ("load_seconds", "load_seconds", "seconds", "One request's KV load from the store."),
+        ("load_seconds", "loads", "count", "Requests that loaded KV from the store."),
+        ("load_bytes", "load_bytes", "sum", "KV bytes loaded from the store."),
+        ("load_blocks", "load_blocks", "sum", "Blocks loaded from the store (all layers)."),
+        ("failed_loads", "failed_loads", "count", "Loads that failed (blocks recomputed)."),
+        ("save_seconds", "save_seconds", "seconds", "One request's KV save to the store."),
+        ("save_bytes", "save_bytes", "sum", "KV bytes saved to the store."),
+        ("save_blocks", "save_blocks", "sum", "Blocks saved to the store."),
+        ("skipped_blocks", "skipped_blocks", "sum", "Blocks not saved: the store had them."),
+        ("failed_saves", "failed_saves", "count", "Saves that failed."),
+    )

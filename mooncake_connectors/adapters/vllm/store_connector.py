@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .stats import StoreStats
+from .stats import StorePromMetrics, StoreStats
 from .store_config import StoreConnectorConfig
 from .store_scheduler import StoreConnectorMetadata, StoreScheduler, block_keys
 from .store_worker import StoreWorker
@@ -138,6 +138,17 @@ class MooncakeConnectorsStore(KVConnectorBase_V1):  # type: ignore[misc]  # Any 
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return StoreStats(data=dict(data)) if data is not None else StoreStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> StorePromMetrics:
+        # Also required under vLLM's MultiConnector, which refuses stats without it.
+        return StorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
