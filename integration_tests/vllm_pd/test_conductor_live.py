@@ -260,7 +260,7 @@ def test_a_shared_long_prefix_lands_where_it_is_cached(live: Live) -> None:
     assert placed[0][0] == placed[1][0] and placed[0][1] == 0 and placed[1][1] == 24
 
 
-def test_overload_is_rejected_with_a_reason_not_served_late(live: Live) -> None:
+def test_overload_gets_early_429s_with_a_reason(live: Live) -> None:
     n = 12
     prompts = [prompt(100 + i, OVERLOAD_TOKENS) for i in range(n)]
     limit = live.strict.get("/conductor/stats")["ttft_slo_s"]
