@@ -193,6 +193,8 @@ def test_a_prefix_cached_on_the_second_instance_is_placed_there(tmp_path: Path) 
                 async with s.get(url + "/conductor/stats") as r:
                     stats = await r.json()
             assert decision["prefill"] == prefill[1].url and decision["cached_blocks"] == n
+            # what really happened sits beside the estimate
+            assert 0 < decision["prefill_leg_s"] <= decision["first_token_s"] < 30
             assert len(prefill[1].bodies) == 1 and not prefill[0].bodies
             assert not prefill[0].tokenized and not prefill[1].tokenized  # token ids as given
             assert stats["kv_events"][prefill[1].url]["batches"] >= 1

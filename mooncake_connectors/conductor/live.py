@@ -114,6 +114,7 @@ class _Flight:
     decode: str
     placed_at: float
     keys: tuple[int, ...]
+    entry: dict[str, Any]  # its line in ``decisions``: what happened is added to the estimate
     prefill_done: bool = False
     decode_started: bool = False
 
@@ -164,7 +165,7 @@ class LiveConductor:
         entry: dict[str, Any] = {"id": rid, "prompt_tokens": n, "blocks": len(keys)}
         if isinstance(decision, Placement):
             self.counters["placed"] += 1
-            self._flights[rid] = _Flight(decision.prefill, decision.decode, now, keys)
+            self._flights[rid] = _Flight(decision.prefill, decision.decode, now, keys, entry)
             entry.update(
                 prefill=decision.prefill,
                 decode=decision.decode,
@@ -192,7 +193,9 @@ class LiveConductor:
         if f is None or f.prefill_done:
             return
         f.prefill_done = True
-        self.conductor.prefill_finished(request_id, self.clock())
+        now = self.clock()
+        f.entry["prefill_leg_s"] = round(now - f.placed_at, 4)
+        self.conductor.prefill_finished(request_id, now)
         if self.cache_source is CacheSource.OPTIMISTIC and f.keys:
             self.conductor.apply_cache_event(BlockStored(f.prefill, f.keys))
 
@@ -200,7 +203,9 @@ class LiveConductor:
         f = self._flights.get(request_id)
         if f is not None and not f.decode_started:
             f.decode_started = True
-            self.conductor.decode_started(request_id, self.clock())
+            now = self.clock()
+            f.entry["first_token_s"] = round(now - f.placed_at, 4)
+            self.conductor.decode_started(request_id, now)
 
     def finished(self, request_id: int, output_tokens: int) -> None:
         """The answer ended (or failed); frees the request's bookkeeping. Idempotent."""
