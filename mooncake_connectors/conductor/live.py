@@ -272,6 +272,7 @@ class LiveConductor:
             "prefill": {
                 p: {
                     "queue_s": round(c.queue_time(p, now), 4),
+                    "slowdown": round(c.slowdown(p), 3),
                     "cached_blocks": len(c.index.cache(p)),
                     "events": self.translators[p].stats.as_dict(),
                     "load": dataclasses.asdict(self.loads[p]) if p in self.loads else None,

@@ -62,6 +62,7 @@ def _tokens(blocks: int, req: ScheduleRequest, block_tokens: int) -> int:
 def _local_plan(ctx: PlanContext, req: ScheduleRequest, inst: str, local: int) -> PrefillPlan:
     queue = ctx.views[inst].queue_time(ctx.now)
     prefill = ctx.prefill_model.time(req.prompt_tokens, _tokens(local, req, ctx.block_tokens))
+    prefill *= ctx.views[inst].slowdown
     return PrefillPlan(inst, local, None, 0, queue, 0.0, prefill, queue + prefill, ctx.now)
 
 
@@ -95,7 +96,7 @@ def place_global_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
                 local, req, ctx.block_tokens
             )
             transfer = ctx.transfer.time(fetch_tokens)
-            prefill = ctx.prefill_model.time(
+            prefill = ctx.views[inst].slowdown * ctx.prefill_model.time(
                 req.prompt_tokens, _tokens(best, req, ctx.block_tokens)
             )
             plan = PrefillPlan(
@@ -127,11 +128,12 @@ def place_adaptive(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
             drain = ctx.views[inst].drain_time(ctx.now)
             fetch_tokens = best_tokens - _tokens(local, req, ctx.block_tokens)
             ready = ctx.links.estimate(best_holder, inst, ctx.now, fetch_tokens)
-            ttft = max(drain, ready) + prefill_best - ctx.now
+            prefill = prefill_best * ctx.views[inst].slowdown
+            ttft = max(drain, ready) + prefill - ctx.now
             if ttft < plan.ttft_s:
                 plan = PrefillPlan(
                     inst, local, best_holder, best - local, drain - ctx.now, ready - ctx.now,
-                    prefill_best, ttft, ready,
+                    prefill, ttft, ready,
                 )  # fmt: skip
         if best_plan is None or plan.ttft_s < best_plan.ttft_s:
             best_plan = plan

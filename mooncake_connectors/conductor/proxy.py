@@ -473,6 +473,9 @@ async def build_conductor(
         tbt_slo_s=options.tbt_slo_s,
         block_tokens=block,
         expected_output_tokens=options.expected_output_tokens,
+        # Instances drift from a profile taken once (shared hardware, other load): each one's
+        # estimates follow what its prefill legs really took.
+        learn_instance_speed=True,
     )
     return LiveConductor(Conductor(cfg), cache_source=options.cache_source), report
 

@@ -36,6 +36,7 @@ from .types import (
 )
 
 _ERROR_WINDOW = 256
+_MAX_SLOWDOWN = 20.0  # learned instance speed stays within 1/20..20x of the prefill model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,9 @@ class ConductorConfig:
     observed actual/estimated ratio (never below 1).
     ``best_effort_idle_fraction``: the adaptive admission still places a request expected to miss
     the TTFT SLO while at least this fraction of prefill instances is idle (None: never).
+    ``learn_instance_speed``: scale each prefill instance's estimates by how much slower (or
+    faster) than ``prefill_model`` its finished prefill legs really ran (a live proxy, where
+    instances share hardware or drift from their profile; off in a replay).
     """
 
     prefill_instances: tuple[str, ...]
@@ -64,6 +68,7 @@ class ConductorConfig:
     expected_output_tokens: float = 256.0
     error_quantile: float = 0.5
     best_effort_idle_fraction: float | None = 0.25
+    learn_instance_speed: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -266,7 +271,14 @@ class Conductor:
         p = self._pending.get(request_id)
         if p is None:
             raise ConfigError("prefill_finished for an unknown request", request_id=request_id)
-        self._prefill[p.prefill].finish(request_id, now)
+        view = self._prefill[p.prefill]
+        view.finish(request_id, now)
+        if self.config.learn_instance_speed and p.est_ttft_s > 0:
+            # Geometric moving average of actual / estimated: the estimate already carries the
+            # current factor, so the product tracks the instance's real speed; bounded so that
+            # one stall cannot shut an instance out for long.
+            ratio = (now - p.placed_at) / p.est_ttft_s
+            view.slowdown = min(_MAX_SLOWDOWN, max(1 / _MAX_SLOWDOWN, view.slowdown * ratio**0.5))
         if p.est_ttft_s > 1.0:
             # Short estimates are dominated by noise and would inflate the margin for nothing.
             self._ratios.append((now - p.placed_at) / p.est_ttft_s)
@@ -331,6 +343,10 @@ class Conductor:
     @property
     def expected_output_tokens(self) -> float:
         return self._out_tokens
+
+    def slowdown(self, instance: str) -> float:
+        """What this prefill instance's estimates are scaled by (1.0 unless learned)."""
+        return self._prefill[instance].slowdown
 
     def queue_time(self, instance: str, now: float) -> float:
         try:

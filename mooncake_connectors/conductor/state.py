@@ -34,6 +34,9 @@ class PrefillView:
         # Work the instance has that this conductor did not place (a live proxy learns it from
         # the instance's metrics), run before anything placed now.
         self.external_s = 0.0
+        # How much slower than the prefill model this instance really runs (a live proxy learns
+        # it from finished prefill legs; 1.0 in a replay).
+        self.slowdown = 1.0
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -135,6 +135,41 @@ def test_adaptive_learns_its_estimate_error() -> None:
     assert isinstance(adaptive, Rejection) and adaptive.reason is RejectReason.TTFT_SLO
 
 
+def test_live_instance_speed_follows_the_prefill_legs() -> None:
+    # p0 really runs 4x slower than the prefill model says; p1 and p2 as modelled.
+    def run(learn: bool) -> Conductor:
+        c = Conductor(
+            make_config(
+                PlacementPolicy.LOCAL_CACHE, Admission.EARLY, ttft_slo_s=0.5,
+                learn_instance_speed=learn,
+            )
+        )  # fmt: skip
+        placed = [c.schedule(req(rid, 300), now=0.0) for rid in range(3)]  # 0.3 s modelled
+        assert {d.prefill for d in placed if isinstance(d, Placement)} == {"p0", "p1", "p2"}
+        for d in placed:
+            assert isinstance(d, Placement)
+            c.prefill_finished(d.request_id, 1.2 if d.prefill == "p0" else 0.3)
+            c.decode_started(d.request_id, 1.3)
+            c.decode_finished(d.request_id, 1.4, 4)
+        return c
+
+    learned = run(True)
+    assert learned.slowdown("p0") == pytest.approx(2.0)  # sqrt(1.2 / 0.3): moving halfway
+    assert learned.slowdown("p1") == 1.0 == learned.slowdown("p2")
+    first = learned.schedule(req(10, 300), now=10.0)
+    assert isinstance(first, Placement) and first.prefill != "p0"
+    assert first.est_ttft_s == pytest.approx(0.3)
+    second = learned.schedule(req(11, 300), now=10.0)
+    assert isinstance(second, Placement) and second.prefill not in ("p0", first.prefill)
+    # p0 (0.6 s) or behind p1/p2 (0.6 s): both miss the 0.5 s SLO.
+    third = learned.schedule(req(12, 300), now=10.0)
+    assert isinstance(third, Rejection) and third.est_ttft_s == pytest.approx(0.6)
+    # Without learning (the replay's setting) p0 still looks as fast as the others.
+    plain = run(False)
+    assert plain.slowdown("p0") == 1.0
+    assert all(isinstance(plain.schedule(req(10 + i, 300), now=10.0), Placement) for i in range(3))
+
+
 def test_adaptive_runs_hopeless_requests_best_effort_only_on_an_idle_pool() -> None:
     c = Conductor(make_config(PlacementPolicy.ADAPTIVE, Admission.ADAPTIVE, ttft_slo_s=1.0))
     # 2 s of prefill cannot meet a 1 s SLO; all three prefill nodes are idle: placed anyway.
