@@ -68,6 +68,20 @@ def _emit(result: object, output: str | None) -> None:
 
 
 Verbose = Annotated[int, typer.Option("--verbose", "-v", count=True, help="-v info, -vv debug")]
+Output = Annotated[str | None, typer.Option("--output", "-o", help="Also write JSON here.")]
+WorkDir = Annotated[str | None, typer.Option(help="Keep the model and the engine logs here.")]
+Lengths = Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")]
+Rounds = Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")]
+MaxTokens = Annotated[int, typer.Option(min=1, help="Tokens generated per request.")]
+Layers = Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")]
+KvHeads = Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")]
+OurTransports = Annotated[
+    str, typer.Option(help="Our connector's transports, in preference order.")
+]
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 @app.command()
@@ -255,9 +269,7 @@ def demo(
         bool,
         typer.Option(help="Start the store; the prefill engine saves to it and loads from it."),
     ] = True,
-    work_dir: Annotated[
-        str | None, typer.Option(help="Keep the model and the engine logs here.")
-    ] = None,
+    work_dir: WorkDir = None,
     output: Annotated[
         str | None, typer.Option("--output", "-o", help="Also write the JSON report here.")
     ] = None,
@@ -439,9 +451,7 @@ def bench_transfer(
     mooncake: Annotated[
         bool, typer.Option(help="Also run Mooncake's TCP engine when its wheel is installed.")
     ] = True,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """Target and initiator in two processes on loopback; GB/s per op, size and transport."""
@@ -469,9 +479,7 @@ def bench_moe(
     threads: Annotated[
         int, typer.Option(min=0, max=1024, help="torch intra-op threads (0: torch's default).")
     ] = 0,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """MoE router: routing µs vs plain indexing, placement ms, balance vs DeepSeek's EPLB."""
@@ -547,25 +555,17 @@ def simulate(
 
 @bench_app.command("vllm-pd")
 def bench_vllm_pd(
-    lengths: Annotated[
-        str, typer.Option(help="Comma-separated prompt lengths in tokens.")
-    ] = "512,1024,2048,4096,8192",
-    rounds: Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")] = 3,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    lengths: Lengths = "512,1024,2048,4096,8192",
+    rounds: Rounds = 3,
+    max_tokens: MaxTokens = 16,
     mooncake: Annotated[
         bool, typer.Option(help="Also run vLLM's MooncakeConnector when Mooncake's wheel is there.")
     ] = True,
-    layers: Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")] = 4,
-    kv_heads: Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")] = 4,
-    work_dir: Annotated[
-        str | None, typer.Option(help="Keep the model and the engine logs here.")
-    ] = None,
-    transports: Annotated[
-        str, typer.Option(help="Our connector's transports, in preference order.")
-    ] = "shm,tcp",
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    layers: Layers = 4,
+    kv_heads: KvHeads = 4,
+    work_dir: WorkDir = None,
+    transports: OurTransports = "shm,tcp",
+    output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """vLLM prefill/decode: KV transfer time per request, ours beside vLLM's MooncakeConnector."""
@@ -576,14 +576,14 @@ def bench_vllm_pd(
 
     with _progress("bench vllm-pd") as advance:
         result = run_pd_benchmark(
-            lengths=[int(x) for x in lengths.split(",") if x.strip()],
+            lengths=[int(x) for x in _csv(lengths)],
             rounds=rounds,
             max_tokens=max_tokens,
             with_mooncake=mooncake,
             layers=layers,
             kv_heads=kv_heads,
             work_dir=Path(work_dir) if work_dir else None,
-            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            transports=tuple(_csv(transports)),
             progress=advance,
         )
     _emit(result, output)
@@ -591,11 +591,9 @@ def bench_vllm_pd(
 
 @bench_app.command("vllm-store")
 def bench_vllm_store(
-    lengths: Annotated[
-        str, typer.Option(help="Comma-separated prompt lengths in tokens.")
-    ] = "512,1024,2048,4096,8192",
-    rounds: Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")] = 3,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    lengths: Lengths = "512,1024,2048,4096,8192",
+    rounds: Rounds = 3,
+    max_tokens: MaxTokens = 16,
     mooncake: Annotated[
         bool,
         typer.Option(help="Also run vLLM's MooncakeStoreConnector when Mooncake's wheel is there."),
@@ -604,21 +602,15 @@ def bench_vllm_store(
     ours_async: Annotated[
         bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
     ] = False,
-    transports: Annotated[
-        str, typer.Option(help="Our connector's transports, in preference order.")
-    ] = "shm,tcp",
-    layers: Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")] = 4,
-    kv_heads: Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")] = 4,
+    transports: OurTransports = "shm,tcp",
+    layers: Layers = 4,
+    kv_heads: KvHeads = 4,
     memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
     settle: Annotated[
         float, typer.Option(min=0.0, help="Seconds between the saving and the loading request.")
     ] = 1.0,
-    work_dir: Annotated[
-        str | None, typer.Option(help="Keep the model and the engine logs here.")
-    ] = None,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    work_dir: WorkDir = None,
+    output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """vLLM prefix reuse through a store: TTFT on store hits, ours beside MooncakeStoreConnector."""
@@ -629,13 +621,13 @@ def bench_vllm_store(
 
     with _progress("bench vllm-store") as advance:
         result = run_store_benchmark(
-            lengths=[int(x) for x in lengths.split(",") if x.strip()],
+            lengths=[int(x) for x in _csv(lengths)],
             rounds=rounds,
             max_tokens=max_tokens,
             with_mooncake=mooncake,
             with_ours=ours,
             with_ours_async=ours_async,
-            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            transports=tuple(_csv(transports)),
             layers=layers,
             kv_heads=kv_heads,
             memory=memory,
@@ -656,12 +648,8 @@ def bench_conductor_live(
     suffix_tokens: Annotated[int, typer.Option(min=1, help="Tokens after the prefix.")] = 64,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 8,
     rounds: Annotated[int, typer.Option(min=1, help="Alternating runs of each policy.")] = 3,
-    work_dir: Annotated[
-        str | None, typer.Option(help="Keep the model and the engine logs here.")
-    ] = None,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    work_dir: WorkDir = None,
+    output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """Real vLLM engines behind the PD proxy: round-robin vs cache-aware (KV events) TTFT."""
@@ -694,9 +682,7 @@ def bench_store(
     mooncake: Annotated[
         bool, typer.Option(help="Also run Mooncake's master and store when installed.")
     ] = True,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """Master, data owner and client as separate processes; ours and Mooncake's, interleaved."""
@@ -734,9 +720,7 @@ def bench_store_ssd(
     ssd_dir: Annotated[
         str | None, typer.Option(help="Where the SSD files go (default: a temp directory).")
     ] = None,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    output: Output = None,
 ) -> None:
     """Gets served from the SSD tier (page cache warm and cold) against gets from memory."""
     from .store.config import parse_size
@@ -762,9 +746,7 @@ def bench_sglang(
     layer_first: Annotated[
         bool, typer.Option(help="Also measure layer_first pools (ours only).")
     ] = True,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Also write JSON here.")
-    ] = None,
+    output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """HiCache page batches through our SGLang backend and SGLang's Mooncake backend (needs

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...config import EngineConfig, engine_config_from_env
 from ...errors import ConfigError
+from .extra_config import known_keys, number, transports
 
 CONNECTOR_NAME = "MooncakeConnectorsPD"
 
@@ -31,14 +32,6 @@ PD_KEYS: dict[str, str] = {
     "kv_lease": "seconds prefill keeps a finished request's blocks for decode (default 120)",
     "metrics_port": "serve the transfer engine's Prometheus metrics on this port (default off)",
 }
-
-
-def _number(key: str, value: Any, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}")
-    if integer and not isinstance(value, int):
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +71,7 @@ class PDConfig:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PDConfig:
         """Build from vLLM's ``kv_connector_extra_config``; unknown keys raise ConfigError."""
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(PD_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"{CONNECTOR_NAME}: unknown kv_connector_extra_config key(s) {unknown}; "
-                f"allowed: {sorted(PD_KEYS)}"
-            )
+        extra = known_keys(CONNECTOR_NAME, extra, PD_KEYS)
         values: dict[str, Any] = {}
         for key, value in extra.items():
             if key in ("host", "metadata"):
@@ -96,21 +83,13 @@ class PDConfig:
                     raise ConfigError("kv_connector_extra_config['auth_token'] must be a string")
                 values[key] = value
             elif key == "transports":
-                if isinstance(value, str):
-                    value = [t.strip() for t in value.split(",") if t.strip()]
-                if not isinstance(value, (list, tuple)) or not all(
-                    isinstance(t, str) for t in value
-                ):
-                    raise ConfigError(
-                        "kv_connector_extra_config['transports'] must be a list of names"
-                    )
-                values[key] = tuple(value)
+                values[key] = transports(value)
             elif key in ("side_channel_port", "tcp_lanes"):
-                values[key] = int(_number(key, value, integer=True))
+                values[key] = int(number(key, value, integer=True))
             elif key == "metrics_port":
-                values[key] = None if value is None else int(_number(key, value, integer=True))
+                values[key] = None if value is None else int(number(key, value, integer=True))
             else:
-                values[key] = float(_number(key, value))
+                values[key] = float(number(key, value))
         return cls(**values)
 
     def engine_config(self) -> EngineConfig:

@@ -9,13 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .base_connector import DelegatingConnector
 from .config import PDConfig
 from .metadata import PDConnectorMetadata
 from .scheduler import PDScheduler
@@ -25,19 +24,17 @@ from .worker import PDWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-    from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 
-class MooncakeConnectorsPD(KVConnectorBase_V1):  # type: ignore[misc]  # Any without vLLM
+class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker]):
     """Prefill → decode KV transfer over mooncake-connectors' transfer engine (decode pulls)."""
 
     _cache_hit_source = CacheHitSource.P2P
+    METADATA = PDConnectorMetadata
+    STATS = PDStats
+    PROM = PDPromMetrics
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -61,36 +58,6 @@ class MooncakeConnectorsPD(KVConnectorBase_V1):  # type: ignore[misc]  # Any wit
             )
 
     # -- scheduler side ----------------------------------------------------------------------
-    @property
-    def scheduler(self) -> PDScheduler:
-        if self._scheduler is None:
-            raise RuntimeError("scheduler-side method called on a worker-role connector")
-        return self._scheduler
-
-    @property
-    def worker(self) -> PDWorker:
-        if self._worker is None:
-            raise RuntimeError("worker-side method called on a scheduler-role connector")
-        return self._worker
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta()
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
-
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
@@ -103,11 +70,6 @@ class MooncakeConnectorsPD(KVConnectorBase_V1):  # type: ignore[misc]  # Any wit
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self._worker is None else self._worker.handshake()
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PDConnectorMetadata)
-        self.worker.start_load_kv(meta)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before vLLM schedules the request (asynchronous loading)
 
@@ -119,35 +81,3 @@ class MooncakeConnectorsPD(KVConnectorBase_V1):  # type: ignore[misc]  # Any wit
         **kwargs: Any,
     ) -> None:
         return  # pull model: the decode side reads the finished blocks; nothing is pushed
-
-    def wait_for_save(self) -> None:
-        return
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors()
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return None if self._worker is None else self._worker.stats.take()
-
-    @classmethod
-    def build_kv_connector_stats(
-        cls, data: dict[str, Any] | None = None
-    ) -> KVConnectorStats | None:
-        return PDStats(data=dict(data)) if data is not None else PDStats()
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> PDPromMetrics:
-        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()

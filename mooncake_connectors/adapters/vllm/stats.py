@@ -173,7 +173,7 @@ _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _Spec = tuple[str, str, str, str]
 
 
-class _PromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any without vLLM
+class PromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any without vLLM
     """A connector's stats in vLLM's Prometheus registry, one child per engine (``SPECS``)."""
 
     PREFIX: ClassVar[str] = ""
@@ -205,7 +205,7 @@ class _PromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any without
                 per_engine[engine_idx].inc(amount)
 
 
-class PDPromMetrics(_PromMetrics):
+class PDPromMetrics(PromMetrics):
     PREFIX = "vllm:mooncake_connectors_pd_"
     SPECS = (
         ("load_seconds", "load_seconds", "seconds", "One request's KV read from prefill (decode)."),
@@ -221,7 +221,7 @@ class PDPromMetrics(_PromMetrics):
     )
 
 
-class StorePromMetrics(_PromMetrics):
+class StorePromMetrics(PromMetrics):
     PREFIX = "vllm:mooncake_connectors_store_"
     SPECS = (
         ("load_seconds", "load_seconds", "seconds", "One request's KV load from the store."),

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from ...store.config import ClientConfig
+from .extra_config import known_keys, number, transports
 
 STORE_CONNECTOR_NAME = "MooncakeConnectorsStore"
 
@@ -33,14 +34,6 @@ STORE_KEYS: dict[str, str] = {
     "the step that schedules the request (lower TTFT; that step waits for the load) "
     "(default false)",
 }
-
-
-def _number(key: str, value: Any, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}")
-    if integer and not isinstance(value, int):
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +70,7 @@ class StoreConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StoreConnectorConfig:
         """Build from vLLM's ``kv_connector_extra_config``; unknown keys raise ConfigError."""
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(STORE_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"{STORE_CONNECTOR_NAME}: unknown kv_connector_extra_config key(s) {unknown}; "
-                f"allowed: {sorted(STORE_KEYS)}"
-            )
+        extra = known_keys(STORE_CONNECTOR_NAME, extra, STORE_KEYS)
         values: dict[str, Any] = {}
         for key, value in extra.items():
             if key in ("master", "host", "namespace", "metadata", "model_name"):
@@ -96,15 +83,7 @@ class StoreConnectorConfig:
                     )
                 values[key] = value
             elif key == "transports":
-                if isinstance(value, str):
-                    value = [t.strip() for t in value.split(",") if t.strip()]
-                if not isinstance(value, (list, tuple)) or not all(
-                    isinstance(t, str) for t in value
-                ):
-                    raise ConfigError(
-                        "kv_connector_extra_config['transports'] must be a list of names"
-                    )
-                values[key] = tuple(value)
+                values[key] = transports(value)
             elif key == "load_async":
                 if not isinstance(value, bool):
                     raise ConfigError(
@@ -112,9 +91,9 @@ class StoreConnectorConfig:
                     )
                 values[key] = value
             elif key == "replicas":
-                values[key] = int(_number(key, value, integer=True))
+                values[key] = int(number(key, value, integer=True))
             else:
-                values[key] = float(_number(key, value))
+                values[key] = float(number(key, value))
         return cls(**values)
 
     def client_config(self, timeout: float) -> ClientConfig:

@@ -1,0 +1,150 @@
+"""What our vLLM connectors share: one core object per role, thin forwarding, stats.
+
+A connector subclass builds its scheduler-side or worker-side core in ``__init__`` and names its
+metadata, stats and Prometheus classes; everything vLLM calls that only forwards lives here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+from .stats import ListStats, PromMetrics
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class SchedulerCore(Protocol):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]: ...
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None: ...
+    def build_connector_meta(self) -> Any: ...
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]: ...
+
+
+class WorkerCore(Protocol):
+    stats: ListStats
+
+    def start_load_kv(self, meta: Any) -> None: ...
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]: ...
+    def take_load_errors(self) -> set[int]: ...
+    def shutdown(self) -> None: ...
+
+
+S = TypeVar("S", bound=SchedulerCore)
+W = TypeVar("W", bound=WorkerCore)
+
+
+class DelegatingConnector(KVConnectorBase_V1, Generic[S, W]):  # type: ignore[misc]  # Any without vLLM
+    """vLLM's connector interface forwarding to ``scheduler`` or ``worker``, whichever this
+    role has. Loads complete before vLLM schedules a request, and nothing is sent layer by layer,
+    so the per-layer hooks do nothing."""
+
+    METADATA: ClassVar[type[KVConnectorMetadata]]
+    STATS: ClassVar[type[ListStats]]
+    PROM: ClassVar[type[PromMetrics]]
+
+    _scheduler: S | None = None
+    _worker: W | None = None
+
+    @property
+    def scheduler(self) -> S:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on a worker-role connector")
+        return self._scheduler
+
+    @property
+    def worker(self) -> W:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on a scheduler-role connector")
+        return self._worker
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # -- worker side -------------------------------------------------------------------------
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, self.METADATA)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return None if self._worker is None else self._worker.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return cls.STATS(data=dict(data)) if data is not None else cls.STATS()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PromMetrics:
+        # Also required under vLLM's MultiConnector, which refuses stats without it.
+        return cls.PROM(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        shutdown = getattr(self._scheduler, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
