@@ -194,6 +194,13 @@ def proxy(
     metrics_interval: Annotated[
         float, typer.Option(help="Seconds between polls of the instances' /metrics.")
     ] = 1.0,
+    learn_instance_speed: Annotated[
+        bool,
+        typer.Option(
+            help="Scale each prefill instance's estimates by how slow its prefill legs really "
+            "ran (instances that share hardware or drift from their profile)."
+        ),
+    ] = False,
     verbose: Verbose = 0,
 ) -> None:
     """OpenAI-compatible PD proxy: prefill leg, then decode leg with the KV transfer params."""
@@ -242,6 +249,7 @@ def proxy(
                 decode_model=dm,
                 expected_output_tokens=expected_output_tokens,
                 metrics_interval_s=metrics_interval,
+                learn_instance_speed=learn_instance_speed,
             )
         except (ValueError, ConfigError) as exc:
             raise typer.BadParameter(str(exc)) from exc

@@ -78,7 +78,8 @@ def place_load_balance(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
 
 def place_local_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
     plans = (_local_plan(ctx, req, i, ctx.index.match(i, req.block_hashes)) for i in ctx.instances)
-    return min(plans, key=lambda p: p.ttft_s)
+    # equal estimates (a flat profile, rounding): the longer cached prefix wins
+    return min(plans, key=lambda p: (p.ttft_s, -p.local_blocks))
 
 
 def place_global_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:

@@ -420,6 +420,7 @@ class ConductorOptions:
     decode_model: DecodeModel | None = None
     expected_output_tokens: float = 64.0
     metrics_interval_s: float = 1.0
+    learn_instance_speed: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in LIVE_PLACEMENTS:
@@ -473,9 +474,7 @@ async def build_conductor(
         tbt_slo_s=options.tbt_slo_s,
         block_tokens=block,
         expected_output_tokens=options.expected_output_tokens,
-        # Instances drift from a profile taken once (shared hardware, other load): each one's
-        # estimates follow what its prefill legs really took.
-        learn_instance_speed=True,
+        learn_instance_speed=options.learn_instance_speed,
     )
     return LiveConductor(Conductor(cfg), cache_source=options.cache_source), report
 

@@ -238,3 +238,17 @@ def test_bad_config_raises(change: dict[str, object]) -> None:
 def test_bad_request_raises() -> None:
     with pytest.raises(ConfigError):
         ScheduleRequest(1, 0, ())
+
+
+def test_local_cache_breaks_equal_estimates_toward_the_cached_prefix() -> None:
+    from mooncake_connectors.conductor import PrefillModel
+
+    # A flat profile (every prompt costs the same, as a noisy calibration can fit): the
+    # estimates tie, and the instance holding the prefix must still win the tie.
+    flat = dataclasses.replace(
+        make_config(PlacementPolicy.LOCAL_CACHE), prefill_model=PrefillModel(0.05, 0.0, 0.0)
+    )
+    c = Conductor(flat)
+    c.apply_cache_event(BlockStored("p2", tuple(range(1, 9))))
+    d = c.schedule(req(1, 1000, tuple(range(1, 11))), now=0.0)
+    assert isinstance(d, Placement) and (d.prefill, d.local_blocks) == ("p2", 8)
