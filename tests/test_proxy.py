@@ -17,34 +17,21 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy extra is not installed")
 from aiohttp import web  # noqa: E402
+from fake_http import LoopbackApp  # noqa: E402
 
 from mooncake_connectors.conductor.proxy import PDProxy  # noqa: E402
 
 
-class Upstream:
+class Upstream(LoopbackApp):
     """A stand-in vLLM server: records request bodies, answers completions and streams."""
 
     def __init__(self, name: str, *, fail: bool = False) -> None:
         self.name = name
         self.fail = fail
         self.bodies: list[dict[str, Any]] = []
-        self.app = web.Application()
+        super().__init__()
         self.app.router.add_post("/v1/completions", self.handle)
         self.app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> None:
-        self.runner = web.AppRunner(self.app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -21,6 +21,7 @@ import zmq
 
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy extra is not installed")
 from aiohttp import web  # noqa: E402
+from fake_http import LoopbackApp  # noqa: E402
 
 from mooncake_connectors.conductor.estimators import (  # noqa: E402
     DecodeModel,
@@ -41,7 +42,7 @@ PREFILL = PrefillModel(0.0, 1e-3, 0.0)  # 1 ms per new token
 DECODE = DecodeModel(0.01, 0.001, 0.0, 100_000)
 
 
-class Instance:
+class Instance(LoopbackApp):
     """A stand-in vLLM server: PD legs, /tokenize, /metrics."""
 
     def __init__(self, name: str) -> None:
@@ -50,26 +51,12 @@ class Instance:
         self.tokenized: list[dict[str, Any]] = []
         self.running = 0
         self.waiting = 0
-        self.app = web.Application()
+        super().__init__()
         self.app.router.add_post("/v1/completions", self.handle)
         self.app.router.add_post("/v1/chat/completions", self.handle)
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/v1/models", self.models)
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> None:
-        self.runner = web.AppRunner(self.app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
