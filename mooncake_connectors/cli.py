@@ -201,6 +201,13 @@ def proxy(
             "ran (instances that share hardware or drift from their profile)."
         ),
     ] = False,
+    layerwise_push: Annotated[
+        bool,
+        typer.Option(
+            help="Run both legs at once and have the prefill push each layer's KV into the "
+            "decode's blocks as it is computed (decode instances need accept_push)."
+        ),
+    ] = False,
     verbose: Verbose = 0,
 ) -> None:
     """OpenAI-compatible PD proxy: prefill leg, then decode leg with the KV transfer params."""
@@ -260,7 +267,15 @@ def proxy(
         err=True,
     )
     try:
-        run_proxy(prefill, decode, host=host, port=port, timeout=timeout, options=options)
+        run_proxy(
+            prefill,
+            decode,
+            host=host,
+            port=port,
+            timeout=timeout,
+            options=options,
+            push=layerwise_push,
+        )
     except ConfigError as exc:
         raise SystemExit(f"proxy: {exc}") from exc
 

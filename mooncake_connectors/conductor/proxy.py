@@ -11,6 +11,12 @@ For ``/v1/completions`` and ``/v1/chat/completions`` (streaming or not) the prox
 If the prefill leg fails, the decode leg runs without transfer parameters: decode computes the
 prompt itself, the client still gets its answer.
 
+With ``push=True`` (layer-wise push) both legs start at once once the proxy knows the prefill
+instance (its engine id and side channels, learned from an earlier prefill answer): the prefill
+request carries a fresh ``push_id`` and the decode request the same id plus where the prefill's
+side channels are, so the prefill writes each layer's KV into the blocks the decode allocated
+while it computes the next. The first request to each prefill instance runs as a pull.
+
 Instances are picked round-robin (each list on its own), or, given a :class:`~.live.LiveConductor`,
 by the conductor: the prompt is tokenized (token-id prompts as they are, text through an
 instance's ``/tokenize``), keyed into prefix blocks and scheduled; a rejection is answered with
@@ -34,6 +40,7 @@ import itertools
 import json
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +56,8 @@ log = logging.getLogger(__name__)
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+# what a prefill answer says about its engine that a pushed decode request needs
+_PUSH_KEYS = ("remote_engine_id", "remote_side_channels", "remote_tp_size")
 
 
 class UpstreamError(Exception):
@@ -75,6 +84,7 @@ class PDProxy:
         metrics_interval: float = 1.0,
         metrics_timeout: float = 2.0,
         tokenize_timeout: float = 10.0,
+        push: bool = False,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode URL")
@@ -105,6 +115,10 @@ class PDProxy:
         self._session: ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self.metrics_errors: dict[str, str] = {}
+        self.push = push
+        # prefill URL -> where its engine's side channels are (from its last answer), for push
+        self.prefill_engines: dict[str, dict[str, Any]] = {}
+        self._legs: set[asyncio.Task[Any]] = set()  # prefill legs running beside their decode
         self.tokenize = {"calls": 0, "total_s": 0.0, "max_s": 0.0}
         self.app = web.Application()
         for route in _ROUTES:
@@ -250,7 +264,11 @@ class PDProxy:
         return out[0], sum(len(p) for p in out)
 
     async def prefill_leg(
-        self, path: str, body: dict[str, Any], url: str | None = None
+        self,
+        path: str,
+        body: dict[str, Any],
+        url: str | None = None,
+        push_id: str | None = None,
     ) -> dict[str, Any] | None:
         """Run the prefill leg; its kv_transfer_params, or None when it failed."""
         leg = copy.deepcopy(body)
@@ -261,6 +279,8 @@ class PDProxy:
         for key in ("stream_options", "min_tokens", "n", "best_of"):
             leg.pop(key, None)  # one token, one sequence: nothing that contradicts max_tokens=1
         leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+        if push_id is not None:
+            leg["kv_transfer_params"]["push_id"] = push_id
         base = url if url is not None else self.prefill[next(self._next_prefill)]
         target = base + path
         try:
@@ -273,7 +293,19 @@ class PDProxy:
             log.warning("prefill %s failed: %r", target, exc)
             return None
         params = data.get("kv_transfer_params")
-        return params if isinstance(params, dict) else None
+        if not isinstance(params, dict):
+            return None
+        engine = {k: params.get(k) for k in _PUSH_KEYS}
+        if all(engine.values()):
+            self.prefill_engines[base] = engine
+        return params
+
+    def _push_params(self, prefill: str) -> tuple[str, dict[str, Any]] | None:
+        engine = self.prefill_engines.get(prefill) if self.push else None
+        if engine is None:
+            return None
+        push_id = uuid.uuid4().hex
+        return push_id, {"do_remote_prefill": True, "push_id": push_id, **engine}
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -313,12 +345,22 @@ class PDProxy:
         path = request.path
         out_tokens = 0
         try:
-            params = await self.prefill_leg(path, body, prefill)
-            if live is not None and rid is not None:
-                live.prefill_done(rid)
             decode_body = dict(body)
-            if params is not None:
-                decode_body["kv_transfer_params"] = params
+            push = self._push_params(prefill)
+            if push is not None:
+                # Both legs at once: the prefill writes each layer into the decode's blocks.
+                leg = asyncio.ensure_future(self.prefill_leg(path, body, prefill, push[0]))
+                self._legs.add(leg)
+                leg.add_done_callback(self._legs.discard)
+                if live is not None and rid is not None:
+                    leg.add_done_callback(lambda _: live.prefill_done(rid))
+                decode_body["kv_transfer_params"] = push[1]
+            else:
+                params = await self.prefill_leg(path, body, prefill)
+                if live is not None and rid is not None:
+                    live.prefill_done(rid)
+                if params is not None:
+                    decode_body["kv_transfer_params"] = params
             url = (decode or self.decode[next(self._next_decode)]) + path
             try:
                 upstream = await self.session.post(url, json=decode_body)
@@ -486,6 +528,7 @@ def run_proxy(
     port: int = 8000,
     timeout: float = 600.0,
     options: ConductorOptions | None = None,
+    push: bool = False,
 ) -> None:
     """Serve the proxy in the foreground until interrupted (round-robin without ``options``)."""
     live = None
@@ -499,6 +542,6 @@ def run_proxy(
         interval = options.metrics_interval_s
     proxy = PDProxy(
         prefill, decode, timeout=timeout, live=live, kv_events=kv_events,
-        metrics_interval=interval,
+        metrics_interval=interval, push=push,
     )  # fmt: skip
     web.run_app(proxy.app, host=host, port=port, print=None, access_log=None)

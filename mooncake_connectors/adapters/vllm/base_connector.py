@@ -33,7 +33,7 @@ class SchedulerCore(Protocol):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None: ...
-    def build_connector_meta(self) -> Any: ...
+    def build_connector_meta(self, out: Any) -> Any: ...
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]: ...
@@ -88,7 +88,7 @@ class DelegatingConnector(KVConnectorBase_V1, Generic[S, W]):  # type: ignore[mi
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

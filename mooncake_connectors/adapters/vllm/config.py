@@ -31,6 +31,8 @@ PD_KEYS: dict[str, str] = {
     "handshake_timeout": "deadline in seconds for one side-channel exchange (default 5)",
     "kv_lease": "seconds prefill keeps a finished request's blocks for decode (default 120)",
     "metrics_port": "serve the transfer engine's Prometheus metrics on this port (default off)",
+    "accept_push": "decode: let prefill instances write KV into this instance's blocks layer by "
+    "layer (layer-wise push; default false: peers may only read)",
 }
 
 
@@ -48,6 +50,7 @@ class PDConfig:
     handshake_timeout: float = 5.0
     kv_lease: float = 120.0
     metrics_port: int | None = None
+    accept_push: bool = False
 
     def __post_init__(self) -> None:
         if not self.host or any(c.isspace() for c in self.host):
@@ -77,6 +80,12 @@ class PDConfig:
             if key in ("host", "metadata"):
                 if not isinstance(value, str):
                     raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a string")
+                values[key] = value
+            elif key == "accept_push":
+                if not isinstance(value, bool):
+                    raise ConfigError(
+                        "kv_connector_extra_config['accept_push'] must be true or false"
+                    )
                 values[key] = value
             elif key == "auth_token":
                 if value is not None and not isinstance(value, str):

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker]):
-    """Prefill → decode KV transfer over mooncake-connectors' transfer engine (decode pulls)."""
+    """Prefill → decode KV transfer over mooncake-connectors' transfer engine (decode pulls, or
+    the prefill pushes layer by layer when the proxy runs both legs at once)."""
 
     _cache_hit_source = CacheHitSource.P2P
     METADATA = PDConnectorMetadata
@@ -80,4 +81,11 @@ class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker]):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # pull model: the decode side reads the finished blocks; nothing is pushed
+        # Layer-wise push: write this layer's completed blocks of pushing requests (no-op
+        # otherwise; the pull model needs nothing here).
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PDConnectorMetadata)
+        self.worker.save_kv_layer(layer_name, meta)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()

@@ -189,10 +189,11 @@ class ProxyServer(Server):
 
     name = "proxy"
 
-    def __init__(self, log_dir: Path, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, log_dir: Path, prefill: list[str], decode: list[str], *extra: str) -> None:
         super().__init__(log_dir)
         self.prefill = prefill
         self.decode = decode
+        self.extra = list(extra)  # more proxy flags, e.g. --layerwise-push
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "mooncake_connectors", "proxy", "--port", str(self.port)]
@@ -200,7 +201,7 @@ class ProxyServer(Server):
             cmd += ["--prefill", u]
         for u in self.decode:
             cmd += ["--decode", u]
-        return cmd
+        return cmd + self.extra
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:

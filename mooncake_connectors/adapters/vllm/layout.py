@@ -12,7 +12,7 @@ both reduce to ranges here. Anything else is refused with the shape in the messa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from ...errors import ConfigError
@@ -171,9 +171,14 @@ def plan_reads(
     remotes: Sequence[WorkerLayout],
     local_blocks: Sequence[int],
     remote_blocks: Sequence[int],
+    *,
+    op: TransferOp = TransferOp.READ,
+    layers: Collection[str] | None = None,
 ) -> tuple[list[TransferRequest], list[tuple[int, ...]]]:
     """READ requests filling ``local_blocks[i]`` from ``remote_blocks[i]`` for every layer.
 
+    ``op=WRITE`` turns them around (a push: our blocks into the peer's); ``layers`` keeps only
+    the layers of those names.
     ``remotes`` are the layouts of :func:`source_ranks` (one when TP sizes are equal). Equal TP:
     whole blocks, and runs of blocks consecutive on both sides (and adjacent in memory) become
     one request. Decode TP smaller: each local block is assembled from each source's block, one
@@ -200,6 +205,8 @@ def plan_reads(
     reqs: list[TransferRequest] = []
     owners: list[tuple[int, ...]] = []
     for lay in local.layers:
+        if layers is not None and lay.name not in layers:
+            continue
         # (remote layout, its layer, offset in our block, offset in theirs, bytes per block)
         parts: list[tuple[WorkerLayout, LayerLayout, int, int, int]] = []
         if tp_r == local.tp_size:
@@ -232,7 +239,7 @@ def plan_reads(
                         )
                     reqs.append(
                         TransferRequest(
-                            TransferOp.READ,
+                            op,
                             remote.segment,
                             lay.addr + lb * lay.stride + loff,
                             rl.addr + rb * rl.stride + roff,

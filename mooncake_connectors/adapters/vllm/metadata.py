@@ -13,6 +13,15 @@ kv_transfer_params (JSON, carried by the proxy from the prefill response to the 
     remote_expires_at      wall-clock time (s) after which prefill may free the blocks
 
 The prefill request itself carries ``{"do_remote_decode": true}``.
+
+Layer-wise push (the proxy runs both legs at once): the prefill request carries
+``{"do_remote_decode": true, "push_id": ID}`` and the decode request
+
+    do_remote_prefill      true
+    push_id                the same ID
+    remote_engine_id       the prefill instance's engine id
+    remote_side_channels   its side channels (the proxy learned them from an earlier answer)
+    remote_tp_size         its tensor-parallel size
 """
 
 from __future__ import annotations
@@ -72,6 +81,65 @@ class RemotePrefill:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RemotePush:
+    """The validated push part of a decode request's kv_transfer_params."""
+
+    push_id: str
+    engine_id: str
+    side_channels: tuple[str, ...]
+    tp_size: int
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any] | None) -> RemotePush | None:
+        if not params or not params.get("push_id"):
+            return None
+        try:
+            out = cls(
+                push_id=str(params["push_id"]),
+                engine_id=str(params["remote_engine_id"]),
+                side_channels=tuple(str(c) for c in params["remote_side_channels"]),
+                tp_size=int(params["remote_tp_size"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        if out.tp_size < 1 or len(out.side_channels) != out.tp_size or len(out.push_id) > 128:
+            return None
+        return out
+
+
+@dataclasses.dataclass
+class PushRecvSpec:
+    """Decode side: ask the prefill to write its blocks ``first_block…`` into ``local_block_ids``.
+
+    Empty ``local_block_ids``: nothing to receive, the prefill may free its blocks.
+    """
+
+    request_id: str
+    local_block_ids: list[int]
+    first_block: int
+    num_tokens: int
+    prompt_hash: str
+    remote: RemotePush
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class PushSendStep:
+    """Prefill side, one step: after this step's forward the request's blocks ``[0, ready)``
+    hold their final KV in every layer; ``final``: the prompt is complete (``aborted``: the
+    request ended without it)."""
+
+    request_id: str
+    push_id: str
+    block_ids: list[int]
+    ready: int
+    num_tokens: int
+    prompt_hash: str
+    final: bool = False
+    aborted: bool = False
+
+
 @dataclasses.dataclass
 class RecvSpec:
     """Read ``remote_block_ids`` of a prefill request into ``local_block_ids`` (same order).
@@ -93,6 +161,8 @@ class RecvSpec:
 class PDConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # Any without vLLM
     recv: list[RecvSpec] = dataclasses.field(default_factory=list)
     send: dict[str, float] = dataclasses.field(default_factory=dict)  # request id -> lease (s)
+    push_recv: list[PushRecvSpec] = dataclasses.field(default_factory=list)
+    push_send: list[PushSendStep] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

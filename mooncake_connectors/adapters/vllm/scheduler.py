@@ -8,20 +8,36 @@ Decode side: a request whose kv_transfer_params say ``do_remote_prefill`` is off
 asynchronous external hit for the prompt tokens the prefill computed (less what the local prefix
 cache already has); once vLLM allocated blocks for them, the worker is told which remote blocks
 go into which local ones.
+
+Layer-wise push (both legs at once, ``push_id`` in both requests' params): the decode side offers
+the whole prompt as an asynchronous hit and, once blocks are allocated, has its worker send them
+to the prefill worker as a push target; the prefill side tells its workers every step which of the
+request's blocks are complete after that step's forward, so they write each layer as it is done.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from .config import PDConfig
-from .metadata import PDConnectorMetadata, PDHandshake, RecvSpec, RemotePrefill, prompt_hash
+from .metadata import (
+    PDConnectorMetadata,
+    PDHandshake,
+    PushRecvSpec,
+    PushSendStep,
+    RecvSpec,
+    RemotePrefill,
+    RemotePush,
+    prompt_hash,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -41,6 +57,10 @@ class PDScheduler:
         self._recv: list[RecvSpec] = []
         self._send: dict[str, float] = {}
         self._matched: dict[str, int] = {}  # request id -> loadable tokens (memo)
+        self._push_recv: list[PushRecvSpec] = []
+        # prefill side: request id -> its push step state (blocks so far, blocks announced)
+        self._pushing: dict[str, PushSendStep] = {}
+        self._push_out: list[PushSendStep] = []
 
     # -- handshake ---------------------------------------------------------------------------
     def set_handshakes(self, handshakes: dict[int, Any]) -> None:
@@ -84,19 +104,59 @@ class PDScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        if params.get("push_id"):
+            count = self._pushable_tokens(request) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         remote = RemotePrefill.parse(params)
         if remote is None:
             return 0, False
         count = self._loadable_tokens(request, remote) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
+    def _pushable_tokens(self, request: Request) -> int:
+        """Prompt tokens a push will deliver (0: this request computes its prompt itself)."""
+        known = self._matched.get(request.request_id)
+        if known is not None:
+            return known
+        n = 0
+        remote = RemotePush.parse(request.kv_transfer_params)
+        prompt = request.prompt_token_ids
+        if remote is None:
+            log.warning("request %s: push parameters not understood", request.request_id)
+        elif not self.config.accept_push:
+            log.warning(
+                "request %s asks for a layer-wise push but this instance does not accept pushes "
+                "(kv_connector_extra_config accept_push); computing the prompt",
+                request.request_id,
+            )
+        elif remote.tp_size != self.tp_size:
+            log.warning(
+                "request %s: push needs equal TP sizes (prefill %d, decode %d); computing the "
+                "prompt",
+                request.request_id,
+                remote.tp_size,
+                self.tp_size,
+            )
+        elif prompt:
+            n = len(prompt)
+        self._matched[request.request_id] = n
+        return n
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not params:
+            return
+        if params.get("do_remote_decode") and params.get("push_id"):
+            self._start_push(request)
+            return
+        if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if rescheduled
+        if params.get("push_id"):
+            self._push_target(request, blocks, num_external_tokens)
+            return
         remote = RemotePrefill.parse(params)
         if remote is None:
             log.warning(
@@ -122,10 +182,77 @@ class PDScheduler:
             spec.remote_block_ids = list(remote.block_ids[start:end])
         self._recv.append(spec)
 
+    def _push_target(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        remote = RemotePush.parse(request.kv_transfer_params)
+        n = self._matched.pop(request.request_id, 0)
+        if remote is None:
+            return
+        spec = PushRecvSpec(request.request_id, [], 0, n, "", remote)
+        prompt = request.prompt_token_ids
+        if num_external > 0 and n > 0 and prompt is not None:
+            local_hit = n - num_external
+            end = _cdiv(n, self.block_size)
+            (block_ids,) = blocks.get_block_ids()
+            spec.prompt_hash = prompt_hash(prompt[:n])
+            if local_hit < 0 or local_hit % self.block_size or len(block_ids) < end:
+                spec.local_block_ids = list(block_ids[:end])
+                spec.error = f"unexpected allocation (local hit {local_hit}, {len(block_ids)})"
+            else:
+                spec.first_block = local_hit // self.block_size
+                spec.local_block_ids = list(block_ids[spec.first_block : end])
+        self._push_recv.append(spec)  # empty blocks: the prefill need not push, only free
+
+    # -- prefill side of a push --------------------------------------------------------------
+    def _start_push(self, request: Request) -> None:
+        # Its blocks come from each step's scheduler output (under vLLM's MultiConnector this
+        # connector may be handed no blocks here).
+        prompt = request.prompt_token_ids
+        push_id = str((request.kv_transfer_params or {}).get("push_id", ""))
+        if prompt is None or not push_id or len(push_id) > 128:
+            return
+        self._pushing[request.request_id] = PushSendStep(
+            request.request_id, push_id, [], 0, len(prompt), prompt_hash(prompt)
+        )
+
+    def _push_steps(self, out: SchedulerOutput) -> None:
+        """Which blocks of each pushing request are complete after this step's forward."""
+        if not self._pushing:
+            return
+        progress: dict[str, tuple[list[int] | None, int, bool]] = {}
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._pushing:
+                progress[new.req_id] = (list(new.block_ids[0]), new.num_computed_tokens, True)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in self._pushing:
+                added = cached.new_block_ids[i]
+                progress[rid] = (
+                    None if added is None else list(added[0]),
+                    cached.num_computed_tokens[i],
+                    rid in cached.resumed_req_ids,
+                )
+        for rid, (block_ids, computed, replace) in progress.items():
+            st = self._pushing[rid]
+            if block_ids is not None:
+                st.block_ids = block_ids if replace else st.block_ids + block_ids
+            done = computed + out.num_scheduled_tokens.get(rid, 0)
+            final = done >= st.num_tokens
+            ready = _cdiv(st.num_tokens, self.block_size) if final else done // self.block_size
+            if ready > st.ready or final:
+                st.ready = min(ready, len(st.block_ids))
+                st.final = final
+                self._push_out.append(dataclasses.replace(st, block_ids=list(st.block_ids)))
+            if final:
+                del self._pushing[rid]
+
     # -- both --------------------------------------------------------------------------------
-    def build_connector_meta(self) -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(recv=self._recv, send=self._send)
-        self._recv, self._send = [], {}
+    def build_connector_meta(self, out: SchedulerOutput | None = None) -> PDConnectorMetadata:
+        if out is not None:
+            self._push_steps(out)
+        meta = PDConnectorMetadata(
+            recv=self._recv, send=self._send, push_recv=self._push_recv, push_send=self._push_out
+        )
+        self._recv, self._send, self._push_recv, self._push_out = [], {}, [], []
         return meta
 
     def request_finished(
@@ -135,12 +262,20 @@ class PDScheduler:
 
         params = request.kv_transfer_params
         self._matched.pop(request.request_id, None)
+        st = self._pushing.pop(request.request_id, None)
+        if st is not None:  # ended before its prompt was complete: the push ends with it
+            self._push_out.append(dataclasses.replace(st, final=True, aborted=True))
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
             # Decode side, finished before it was ever scheduled (aborted): free the prefill's
             # blocks now instead of at the end of their lease.
             params["do_remote_prefill"] = False
+            if params.get("push_id"):
+                pushed = RemotePush.parse(params)
+                if pushed is not None:
+                    self._push_recv.append(PushRecvSpec(request.request_id, [], 0, 0, "", pushed))
+                return False, None
             remote = RemotePrefill.parse(params)
             if remote is not None:
                 self._recv.append(RecvSpec(request.request_id, [], [], remote))

@@ -1,10 +1,16 @@
-"""The PD side channel: a worker's KV layout on request, and "done reading" notices.
+"""The PD side channel: a worker's KV layout on request, "done reading" notices, and the two
+messages of layer-wise push.
 
 Each prefill worker (one per TP rank) serves a zmq ROUTER socket, on loopback unless configured
 otherwise. A decode worker asks it once per prefill engine for its :class:`WorkerLayout` (where
 each layer's KV blocks live in the prefill's registered memory) and, after reading a request's
 blocks, sends :class:`Done` so the prefill frees them before its lease runs out. Bytes never go
 through here: the decode side reads them one-sided through the transfer engine.
+
+Layer-wise push (opt-in): a decode worker that allocated blocks for a request sends the prefill
+worker a :class:`PushTarget` (its layout and block ids); the prefill worker WRITEs each layer's
+blocks there as vLLM computes them and answers with :class:`PushDone` on the decode worker's own
+side channel.
 
 Messages are msgspec msgpack structs. Clients are DEALER sockets owned by one thread each, with a
 deadline on every exchange; a reply carries the request's nonce so a late answer to an abandoned
@@ -79,7 +85,39 @@ class Done(msgspec.Struct, tag="done"):
     readers: int = 1
 
 
-Message = LayoutRequest | LayoutReply | Done
+class PushTarget(msgspec.Struct, tag="push_target"):
+    """Where a decode worker wants prefill request ``push_id``'s KV written.
+
+    Prefill block ``first_block + i`` of the request goes to the decode block ``block_ids[i]``.
+    ``num_tokens`` and ``prompt_hash`` name the prompt the decode side expects; a prefill computing
+    other tokens refuses. Nothing may be written after ``expires_at`` (wall clock): the decode side
+    gives up then and reuses the blocks. Empty ``block_ids``: the decode needs nothing (aborted,
+    or fully cached); the prefill frees the request's blocks.
+    """
+
+    push_id: str
+    engine_id: str  # the prefill engine the sender means
+    target: WorkerLayout
+    first_block: int
+    block_ids: list[int]
+    num_tokens: int
+    prompt_hash: str
+    expires_at: float
+
+
+class PushDone(msgspec.Struct, tag="push_done"):
+    """From the prefill worker to the decode worker's side channel: the push ended."""
+
+    push_id: str
+    ok: bool
+    error: str = ""
+    nbytes: int = 0
+    nreqs: int = 0
+    tail_s: float = 0.0  # from the end of the prefill's last forward to the last byte written
+    overlapped: int = 0  # bytes written from save_kv_layer, while the forward was running
+
+
+Message = LayoutRequest | LayoutReply | Done | PushTarget | PushDone
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -104,9 +142,13 @@ class SideChannelServer:
         port: int,
         layout: Callable[[], WorkerLayout],
         on_done: Callable[[Done], None],
+        on_push_target: Callable[[PushTarget], None] | None = None,
+        on_push_done: Callable[[PushDone], None] | None = None,
     ) -> None:
         self._layout = layout
         self._on_done = on_done
+        self._on_push_target = on_push_target
+        self._on_push_done = on_push_done
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -152,6 +194,10 @@ class SideChannelServer:
                     self._sock.send_multipart([identity, encode(reply)])
                 elif isinstance(msg, Done):
                     self._on_done(msg)
+                elif isinstance(msg, PushTarget) and self._on_push_target is not None:
+                    self._on_push_target(msg)
+                elif isinstance(msg, PushDone) and self._on_push_done is not None:
+                    self._on_push_done(msg)
             except Exception:  # one bad exchange must not end the side channel
                 log.exception("side channel %s: cannot handle %r", self.endpoint, msg)
 
@@ -219,12 +265,17 @@ class SideChannelClient:
         readers: int = 1,
     ) -> None:
         """Best effort: the peer also frees the blocks when its lease runs out."""
-        msg = Done(engine_id, request_ids, reader, readers)
+        self.send(endpoint, Done(engine_id, request_ids, reader, readers))
+
+    def send(self, endpoint: str, msg: Message) -> bool:
+        """Queue one message without waiting; False when it could not be (dead peer)."""
         try:
             self._sock(endpoint).send(encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # zmq.Again: the queue to a dead peer is full
-            log.debug("could not notify %s: %s", endpoint, exc)
+            log.debug("could not send to %s: %s", endpoint, exc)
             self._drop(endpoint)
+            return False
+        return True
 
     def close(self) -> None:
         for endpoint in list(self._socks):

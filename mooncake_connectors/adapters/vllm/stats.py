@@ -7,7 +7,8 @@ logs ``KV Transfer metrics: ...`` at its stats interval and hands the same data 
 
 - ``vllm:mooncake_connectors_pd_load_seconds`` histogram: one request's KV read on decode;
 - ``vllm:mooncake_connectors_pd_load_bytes_total``, ``..._loads_total``,
-  ``..._failed_loads_total``, ``..._expired_leases_total`` counters.
+  ``..._failed_loads_total``, ``..._expired_leases_total``, ``..._pushes_total``,
+  ``..._push_overlapped_bytes_total`` counters.
 
 The transfer engine's own Prometheus metrics (``metrics_port``) count bytes, requests and latency
 per transport underneath.
@@ -91,10 +92,21 @@ class PDStats(ListStats):
         "load_requests",
         "failed_loads",
         "expired_leases",
+        "pushes",
+        "push_overlapped_bytes",
     )
 
     def record_load(self, seconds: float, nbytes: int, nrequests: int) -> None:
         self._add(load_seconds=seconds, load_bytes=nbytes, load_requests=nrequests)
+
+    def record_push(
+        self, tail_seconds: float, nbytes: int, nrequests: int, overlapped: int
+    ) -> None:
+        """A load the prefill pushed layer by layer; its time is the part after the prefill's
+        last forward (what the push did not hide behind compute); ``overlapped``: bytes whose
+        write started while the prefill's forward was still running."""
+        self.record_load(tail_seconds, nbytes, nrequests)
+        self._add(pushes=1, push_overlapped_bytes=overlapped)
 
     def record_failed_load(self) -> None:
         self._add(failed_loads=1)
@@ -115,6 +127,7 @@ class PDStats(ListStats):
             "Throughput (MB/s)": round(total_bytes / 2**20 / total_secs, 3) if total_secs else 0,
             "Num failed transfers": len(self.data["failed_loads"]),
             "Num KV expired reqs": len(self.data["expired_leases"]),
+            "Num layer-wise pushes": len(self.data["pushes"]),
         }
 
 
@@ -217,6 +230,13 @@ class PDPromMetrics(PromMetrics):
             "expired_leases",
             "count",
             "Finished prefill requests whose blocks were freed before any decode read them.",
+        ),
+        ("pushes", "pushes", "count", "Loads the prefill pushed layer by layer (decode)."),
+        (
+            "push_overlapped_bytes",
+            "push_overlapped_bytes",
+            "sum",
+            "Pushed KV bytes whose write started while the prefill's forward was running.",
         ),
     )
 

@@ -187,7 +187,7 @@ class StoreScheduler:
         self._loads.append(BlockSpec(rid, list(block_ids[start:end]), hashes[start:end]))
 
     # -- both --------------------------------------------------------------------------------
-    def build_connector_meta(self) -> StoreConnectorMetadata:
+    def build_connector_meta(self, out: object = None) -> StoreConnectorMetadata:
         meta = StoreConnectorMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = [], []
         return meta
