@@ -364,3 +364,55 @@ def test_recall_keeps_the_newest_commits_whichever_server_reported_them(
     s.recall({(1, "a"): 100, (2, "b"): 400, (3, "c"): 300})  # the first server
     s.recall({(4, "d"): 50, (5, "e"): 200, (6, "f"): 500, (3, "c"): 250})  # the second
     assert list(s.recent) == [(5, "e"), (3, "c"), (2, "b"), (6, "f")]  # oldest first
+
+
+def test_writer_whose_commit_was_lost_in_a_fail_over_reports_success() -> None:
+    """End to end through the writer: the old leader commits, its answer is lost, the new leader
+    (not yet re-reported to) says PUT_EXPIRED; the writer's retry under the same put id is told
+    COMMITTED once the servers re-reported, and it writes nothing again. Another writer of the
+    key still gets ObjectExists."""
+    import contextlib
+    from collections.abc import Iterator
+
+    from mooncake_connectors.errors import ObjectExists
+    from mooncake_connectors.store.master import Master
+    from mooncake_connectors.store.protocol import Msg, PutEnd, PutStart
+    from mooncake_connectors.store.writer import Writer
+
+    m = Master(MasterConfig(port=0))
+    old = m.state = make(2)
+    seen: list[Msg] = []
+
+    class Link:  # the master link: this one's PutEnd answer is lost in a fail-over
+        def call(self, msg: Msg, deadline: float) -> Msg:
+            seen.append(msg)
+            if isinstance(msg, PutEnd) and m.state is old:
+                m._handle(None, msg, 0)  # type: ignore[arg-type]
+                m.state = new_leader()  # the retry reaches it before any re-report
+            elif isinstance(msg, PutStart) and m.state is not old and not m.state.servers:
+                for cid in sorted(old.servers):
+                    rereport(m.state, old, cid)
+            reply = m._handle(None, msg, 0)  # type: ignore[arg-type]
+            assert reply is not None
+            return reply
+
+    class Engine:
+        writes = 0
+
+        def transfer(self, reqs: list[object], timeout: float) -> None:
+            Engine.writes += len(reqs)
+
+    class Staging:  # the sources are registered memory: nothing is staged
+        @contextlib.contextmanager
+        def stage(self, sizes: list[int]) -> Iterator[list[int]]:
+            assert not sizes
+            yield []
+
+    w = Writer(Engine(), Link(), Staging(), 2.0, 5.0)  # type: ignore[arg-type]
+    assert w.put(["k"], [(1 << 40, 100, None)]) == [None]
+    starts = [x for x in seen if isinstance(x, PutStart)]
+    assert len(starts) == 2 and starts[0].put_id == starts[1].put_id
+    assert Engine.writes == 1  # written once, by the first attempt
+    other = Writer(Engine(), Link(), Staging(), 2.0, 5.0)  # type: ignore[arg-type]
+    (r,) = other.put(["k"], [(1 << 40, 100, None)])
+    assert isinstance(r, ObjectExists)
