@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -254,3 +255,164 @@ def test_a_batch_lands_back_to_back() -> None:
     addrs = [st[0][0] for st in stripes]
     assert len({seg for seg, _ in addrs}) == 1
     assert [a for _, a in addrs] == [addrs[0][1] + 4096 * i for i in range(8)]
+
+
+# -- commits retried across a master fail-over ---------------------------------------------------
+def new_leader(**cfg: object) -> MasterState:
+    """A fresh leader whose recovery window is over (``settling`` is False at time 0)."""
+    return MasterState(MasterConfig(port=0, **cfg), now=-100.0)  # type: ignore[arg-type]
+
+
+def rereport(fresh: MasterState, old: MasterState, client_id: str, age_ms: int = 0) -> None:
+    """``client_id`` mounts at ``fresh`` and re-reports what ``old`` told it it holds, those
+    commits ``age_ms`` old by then (a fail-over takes a while)."""
+    rec = old.servers[client_id]
+    parts = [
+        msgspec.structs.replace(p, at_ms=p.at_ms - age_ms) for p in rec.ops if isinstance(p, Part)
+    ]
+    new = fresh.server(client_id, None, 0.0)
+    for seg in rec.segments:
+        fresh.mount(new, seg.name, seg.base, seg.size, "host", "", 0, True)
+    collect(fresh, new, parts, True, 0.0)
+
+
+def fail_over(old: MasterState, age_ms: int = 0, **cfg: object) -> MasterState:
+    fresh = new_leader(**cfg)
+    for cid in sorted(old.servers):
+        rereport(fresh, old, cid, age_ms)
+    return fresh
+
+
+def test_a_commit_retried_after_a_slow_fail_over_is_answered_ok() -> None:
+    """The CI failure: the fail-over (and re-report) took longer than the put lease, so the new
+    leader forgot the old one's last commits; the retried commit was PUT_EXPIRED, the writer put
+    again and got EXISTS for its own object."""
+    from mooncake_connectors.store.master import Master
+    from mooncake_connectors.store.protocol import Codes, Committed, PutEnd, PutReserved
+
+    s = make(2, put_lease_ttl=2.0)
+    assert s.put_start(7, ["k"], [100], 2, 0, 0, "", 0.0)[0] == [Code.OK]
+    assert s.put_end(7, ["k"], [], 0.0) == [Code.OK]  # ... and the answer is lost
+    spare = s.reserve(100, 2, 0.0)
+    assert spare is not None
+    rid = spare[0]
+    assert s.commit_reserved(rid, "r", 100, 0, 0, 0.0) == (Code.OK, 2)  # answer lost too
+    m = Master(MasterConfig(port=0, put_lease_ttl=2.0))
+    m.state = fail_over(s, age_ms=5000, put_lease_ttl=2.0)
+    assert not m.state.settling(0.0)
+    end = m._put_end(None, PutEnd(7, ["k"], []), 0.0)  # type: ignore[arg-type]
+    assert end == Codes([Code.OK])
+    # (a reservation this master never made: it answers without reserving the next one)
+    reply = m._put_reserved(None, PutReserved(rid, "r", 100), 0.0)  # type: ignore[arg-type]
+    assert reply == Committed(Code.OK, None)
+    # a commit this master cannot know stays expired
+    other = m._put_end(None, PutEnd(8, ["k"], []), 0.0)  # type: ignore[arg-type]
+    assert other == Codes([Code.PUT_EXPIRED])
+
+
+def test_a_put_retried_under_its_id_is_told_committed_and_others_exists() -> None:
+    s = make(2)
+    assert s.put_start(7, ["k"], [100], 2, 0, 0, "", 0.0)[0] == [Code.OK]
+    assert s.put_end(7, ["k"], [], 0.0) == [Code.OK]
+    fresh = fail_over(s)
+    codes, stripes = fresh.put_start(7, ["k"], [100], 2, 0, 0, "", 0.0)
+    assert codes == [Code.COMMITTED] and stripes == [[]]  # nothing to write again
+    assert fresh.put_start(8, ["k"], [100], 2, 0, 0, "", 0.0)[0] == [Code.EXISTS]
+    assert not fresh.pending
+
+
+@pytest.mark.parametrize(("retry_id", "want"), [(7, Code.OK), (8, Code.EXISTS)])
+def test_a_retry_allocated_before_the_re_report_commits_as_ok(retry_id: int, want: Code) -> None:
+    """Put 7's retry got a new allocation before the server holding the old leader's commit of
+    it re-reported: its commit then finds the key taken, by itself (OK). Another writer (put
+    8) that raced for the key the same way is still refused."""
+    s = make(2)
+    assert s.put_start(7, ["k"], [100], 1, 0, 0, "", 0.0)[0] == [Code.OK]
+    assert s.put_end(7, ["k"], [], 0.0) == [Code.OK]
+    holder = next(c for c, r in s.servers.items() if any(isinstance(p, Part) for p in r.ops))
+    other = next(c for c in s.servers if c != holder)
+    fresh = new_leader()
+    rereport(fresh, s, other)  # the server without "k" is back first
+    assert fresh.put_start(retry_id, ["k"], [100], 1, 0, 0, "", 0.0)[0] == [Code.OK]
+    used = fresh.used()
+    rereport(fresh, s, holder)
+    assert fresh.put_end(retry_id, ["k"], [], 0.0) == [want]
+    # either way the new allocation is given back: the re-reported copy is the object
+    assert fresh.used() == used and not fresh.pending
+    loc, was = fresh.get(["k"], 0.0)[0], s.get(["k"], 0.0)[0]
+    assert loc is not None and was is not None and loc.stripes == was.stripes
+
+
+def test_rebuild_keeps_the_newest_commits_of_every_server() -> None:
+    s = make(2)
+    for i in range(5):
+        assert put(s, f"k{i}", 100, nrep=2) == Code.OK
+    fresh = new_leader()
+    for cid in sorted(s.servers):
+        rereport(fresh, s, cid, age_ms=10**9)  # however old
+    assert set(fresh.recent) == set(s.recent)
+    assert list(fresh.recent.values()) == sorted(fresh.recent.values())  # oldest first
+
+
+def test_recall_keeps_the_newest_commits_whichever_server_reported_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mooncake_connectors.store import state as state_mod
+
+    monkeypatch.setattr(state_mod, "RECENT_COMMITS", 4)
+    s = new_leader()
+    s.recall({(1, "a"): 100, (2, "b"): 400, (3, "c"): 300})  # the first server
+    s.recall({(4, "d"): 50, (5, "e"): 200, (6, "f"): 500, (3, "c"): 250})  # the second
+    assert list(s.recent) == [(5, "e"), (3, "c"), (2, "b"), (6, "f")]  # oldest first
+
+
+def test_writer_whose_commit_was_lost_in_a_fail_over_reports_success() -> None:
+    """End to end through the writer: the old leader commits, its answer is lost, the new leader
+    (not yet re-reported to) says PUT_EXPIRED; the writer's retry under the same put id is told
+    COMMITTED once the servers re-reported, and it writes nothing again. Another writer of the
+    key still gets ObjectExists."""
+    import contextlib
+    from collections.abc import Iterator
+
+    from mooncake_connectors.errors import ObjectExists
+    from mooncake_connectors.store.master import Master
+    from mooncake_connectors.store.protocol import Msg, PutEnd, PutStart
+    from mooncake_connectors.store.writer import Writer
+
+    m = Master(MasterConfig(port=0))
+    old = m.state = make(2)
+    seen: list[Msg] = []
+
+    class Link:  # the master link: this one's PutEnd answer is lost in a fail-over
+        def call(self, msg: Msg, deadline: float) -> Msg:
+            seen.append(msg)
+            if isinstance(msg, PutEnd) and m.state is old:
+                m._handle(None, msg, 0)  # type: ignore[arg-type]
+                m.state = new_leader()  # the retry reaches it before any re-report
+            elif isinstance(msg, PutStart) and m.state is not old and not m.state.servers:
+                for cid in sorted(old.servers):
+                    rereport(m.state, old, cid)
+            reply = m._handle(None, msg, 0)  # type: ignore[arg-type]
+            assert reply is not None
+            return reply
+
+    class Engine:
+        writes = 0
+
+        def transfer(self, reqs: list[object], timeout: float) -> None:
+            Engine.writes += len(reqs)
+
+    class Staging:  # the sources are registered memory: nothing is staged
+        @contextlib.contextmanager
+        def stage(self, sizes: list[int]) -> Iterator[list[int]]:
+            assert not sizes
+            yield []
+
+    w = Writer(Engine(), Link(), Staging(), 2.0, 5.0)  # type: ignore[arg-type]
+    assert w.put(["k"], [(1 << 40, 100, None)]) == [None]
+    starts = [x for x in seen if isinstance(x, PutStart)]
+    assert len(starts) == 2 and starts[0].put_id == starts[1].put_id
+    assert Engine.writes == 1  # written once, by the first attempt
+    other = Writer(Engine(), Link(), Staging(), 2.0, 5.0)  # type: ignore[arg-type]
+    (r,) = other.put(["k"], [(1 << 40, 100, None)])
+    assert isinstance(r, ObjectExists)

@@ -285,7 +285,7 @@ class Master:
         if code == Code.PUT_EXPIRED:
             code = self._expired(msg.rid, msg.key, now)
         spare = None
-        if code == Code.OK and msg.refill:
+        if code == Code.OK and msg.refill and nrep:  # (no nrep: a repeat this master never saw)
             spare = self.state.reserve(msg.size, nrep, now)
         return Committed(code, spare)
 

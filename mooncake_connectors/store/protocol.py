@@ -57,6 +57,9 @@ class Code(enum.IntEnum):
     UNKNOWN_CLIENT = -1104
     BUSY = -1105
     UNAUTHORIZED = -1106  # no or a wrong shared token; the connection is closed
+    # PutStart: this put id already committed the key (its commit's answer was lost in a master
+    # fail-over); nothing to write. Only a client that retries a put with its first id gets it.
+    COMMITTED = -1107
 
 
 Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY)]

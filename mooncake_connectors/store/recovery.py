@@ -38,6 +38,7 @@ def rebuild(state: MasterState, rec: Server, now: float) -> int:
     used: dict[Segment, list[tuple[int, int]]] = {s: [] for s in rec.segments}
     wall_ms = time.time() * 1000
     accepted = 0
+    commits: dict[tuple[int, str], int] = {}  # (put id, key) -> unix ms of the accepted objects
     for p in parts:
         if p.nrep < 1 or p.nst < 1 or not 0 <= p.ridx < p.nrep or not 0 <= p.sidx < p.nst:
             continue
@@ -71,12 +72,12 @@ def rebuild(state: MasterState, rec: Server, now: float) -> int:
             rec.disk[fid] = (p.key, need)
             rec.ssd_used += need
         accepted += 1
-    # Commits of the last put lease, newest last: their puts may be retried across the fail-over.
-    since = wall_ms - state.cfg.put_lease_ttl * 1000
-    for _, put_id, key in sorted(
-        {(p.at_ms, p.put_id, p.key) for p in parts if p.put_id and p.at_ms >= since}
-    ):
-        state.committed(put_id, key)
+        if p.put_id:
+            commits[(p.put_id, p.key)] = p.at_ms
+    # Their puts may be retried across the fail-over, to be told OK, not EXISTS. Not only those
+    # of the last put lease: a client retries a lost commit until its call's deadline, and the
+    # fail-over itself can take longer than a (short) put lease.
+    state.recall(commits)
     for seg in rec.segments:
         if seg.alloc is None:
             seg.alloc = RangeAllocator.with_used(seg.size, used[seg])

@@ -54,9 +54,9 @@ class MasterState:
         now = time.monotonic() if now is None else now
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Pending] = {}
-        # (put id, key) of the latest commits: a commit repeated because its reply was lost (or
-        # its master failed over) is recognised and answered OK again
-        self.recent: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
+        # (put id, key) -> when (unix ms) of the latest commits, oldest first: a commit repeated
+        # because its reply was lost (or its master failed over) is recognised as done
+        self.recent: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
         self.reserved: dict[int, Pending] = {}  # reservation id -> allocation
         self.reserved_bytes = 0  # memory the reservations hold (capped: eviction cannot free it)
         self.segments: dict[int, Segment] = {}
@@ -484,7 +484,10 @@ class MasterState:
             if obj is not None and (
                 self.loc(key, obj, now) is not None or self.objects.get(key) is obj
             ):
-                codes.append(Code.EXISTS)  # (an object still being re-reported exists too)
+                # (an object still being re-reported exists too). This very put may have made
+                # it: a put retried after its commit's answer was lost in a fail-over.
+                mine = (put_id, key) in self.recent
+                codes.append(Code.COMMITTED if mine else Code.EXISTS)
                 out.append([])
                 continue
             p = self.pending.get(key)
@@ -555,7 +558,8 @@ class MasterState:
             lost = any(all(live[r * nst + s] < 0 for r in range(p.nrep)) for s in range(nst))
         if key in self.objects:  # re-reported to a new leader meanwhile
             self._release_locs(live, p.size, nst)
-            return Code.EXISTS
+            # ... maybe as this put's own earlier commit (on the old leader): then it is done
+            return Code.OK if (p.put_id, key) in self.recent else Code.EXISTS
         if lost:
             self._release_locs(live, p.size, nst)
             return Code.UNAVAILABLE
@@ -581,9 +585,23 @@ class MasterState:
 
     def committed(self, put_id: int, key: str) -> None:
         recent = self.recent
-        recent[(put_id, key)] = None
+        recent[(put_id, key)] = int(time.time() * 1000)
         if len(recent) > RECENT_COMMITS:
             recent.popitem(last=False)
+
+    def recall(self, commits: dict[tuple[int, str], int]) -> None:
+        """Merge commits re-reported by a server ((put id, key) -> unix ms) into ``recent``:
+        the newest ``RECENT_COMMITS`` of them and of those already known are kept, whichever
+        server reported them first. A retried commit can reach a new leader long after the
+        put lease (the client's link retries until its own deadline), so age alone is no
+        reason to forget one."""
+        merged = dict(self.recent)
+        for k, at in commits.items():
+            if merged.get(k, -1) < at:
+                merged[k] = at
+        if len(merged) > RECENT_COMMITS:
+            merged = dict(heapq.nlargest(RECENT_COMMITS, merged.items(), key=lambda kv: kv[1]))
+        self.recent = collections.OrderedDict(sorted(merged.items(), key=lambda kv: kv[1]))
 
     # -- reservations: a client's next put of the same size, allocated one round trip early --
     def reserve(
@@ -621,6 +639,8 @@ class MasterState:
         if key in self.pending or (
             obj is not None and (self.loc(key, obj, now) is not None or key in self.objects)
         ):
+            if (rid, key) in self.recent:
+                return Code.OK, p.nrep  # (defensive: a reservation commits once, then is gone)
             return Code.EXISTS, p.nrep
         del self.reserved[rid]
         self.reserved_bytes -= _held(p.size, p.nrep)

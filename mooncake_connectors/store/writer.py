@@ -67,7 +67,6 @@ class Raw:
 Source = tuple[int, int, "memoryview | Raw | None"]
 _BUSY_PAUSE = 0.02
 _SPARE_MAX = 64 << 20  # puts up to this size reserve room for the next one
-_FALLBACK = object()
 _DIRECT_MIN = 1 << 20
 _MAYBE_REGISTERED = 64 << 10
 
@@ -126,17 +125,24 @@ class Writer:
         ] = {}
 
     def put(self, keys: list[str], srcs: list[Source], **opts: Any) -> list[Result]:
+        put_id = 0
         if len(keys) == 1 and not opts.get("preferred_segment") and srcs[0][1] <= _SPARE_MAX:
             r = self._put_reserved(keys[0], srcs[0], **opts)
-            if r is not _FALLBACK:
-                return [r]  # type: ignore[list-item]
-        results = self._put_once(keys, srcs, **opts)
+            if not isinstance(r, int):
+                return [r]
+            put_id = r
+        put_id = put_id or random.getrandbits(62) + 1
+        results = self._put_once(keys, srcs, put_id=put_id, **opts)
         # A leader change between allocation and commit loses the allocation (the new master
-        # never made it): put those keys again, once, from the same source bytes.
+        # never made it): put those keys again, once, from the same source bytes. Under the same
+        # put id: if the old leader did commit one (the answer was lost), the new one knows the
+        # id from the servers' re-reports and answers COMMITTED instead of EXISTS.
         again = [i for i, r in enumerate(results) if isinstance(r, PutExpired)]
         if again:
             log.info("%d put(s) expired before commit (a master fail-over?); retrying", len(again))
-            retried = self._put_once([keys[i] for i in again], [srcs[i] for i in again], **opts)
+            retried = self._put_once(
+                [keys[i] for i in again], [srcs[i] for i in again], put_id=put_id, **opts
+            )
             for i, r in zip(again, retried, strict=True):
                 results[i] = r
         return results
@@ -151,12 +157,13 @@ class Writer:
         soft_pin: bool = False,
         hard_pin: bool = False,
         preferred_segment: str = "",
+        put_id: int = 0,
     ) -> list[Result]:
         assert self.engine is not None
         if not keys:
             return []
         deadline = time.monotonic() + self.timeout
-        put_id = random.getrandbits(62) + 1
+        put_id = put_id or random.getrandbits(62) + 1
         results: list[Result] = [None] * len(keys)
         allocs: dict[int, list[list[tuple[str, int]]]] = {}
         todo = list(range(len(keys)))
@@ -186,6 +193,8 @@ class Writer:
             for i, code, stripes in zip(todo, reply.codes, reply.stripes, strict=True):
                 if code == Code.OK:
                     allocs[i] = stripes
+                elif code == Code.COMMITTED:
+                    results[i] = None  # this put id's earlier attempt committed it: done
                 elif code == Code.BUSY and time.monotonic() < deadline:
                     busy.append(i)  # eviction is spilling to SSD; room comes shortly
                 else:
@@ -298,16 +307,19 @@ class Writer:
         soft_pin: bool = False,
         hard_pin: bool = False,
         preferred_segment: str = "",
-    ) -> Result | object:
+    ) -> Result | int:
+        """The put's result, or an int: put it plainly instead, under that put id (0: a new
+        one; a reservation id when the commit of the reservation may have happened on a master
+        that failed over, so that a new leader recognises it)."""
         assert self.engine is not None
         size = src[1]
         pool = self._spares.get((size, replicas))
         try:
             rid, stripes, until = pool.pop() if pool else (0, [], 0.0)
         except IndexError:  # another thread took the last one
-            return _FALLBACK
+            return 0
         if not rid or until < time.monotonic():
-            return _FALLBACK
+            return 0
         deadline = time.monotonic() + self.timeout
         with self._materialize([src]) as (addr,):
             reqs = [
@@ -322,7 +334,7 @@ class Writer:
                     self.engine.transfer(reqs, timeout=max(0.001, left))
                 except MooncakeConnectorsError as exc:
                     log.info("write into a reservation failed (%s); a plain put follows", exc)
-                    return _FALLBACK  # the reservation expires on the master
+                    return 0  # the reservation expires on the master
         msg = PutReserved(rid, key, size, int(ttl * 1000) if ttl else 0, soft_pin, hard_pin)
         reply = self.link.call(msg, deadline)
         while (
@@ -341,7 +353,7 @@ class Writer:
             return error_for(reply.code, key)
         if reply.code == Code.PUT_EXPIRED:
             self._spares.clear()  # a new master, or expired: these are gone
-            return _FALLBACK
+            return rid
         return error_for(reply.code, key)
 
     def _write_and_commit(
