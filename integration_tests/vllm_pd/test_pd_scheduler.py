@@ -38,8 +38,11 @@ from mooncake_connectors.adapters.vllm.connector import MooncakeConnectorsPD
 from mooncake_connectors.adapters.vllm.metadata import (
     PDConnectorMetadata,
     PDHandshake,
+    PushRecvSpec,
+    PushSendStep,
     RecvSpec,
     RemotePrefill,
+    RemotePush,
     prompt_hash,
 )
 from mooncake_connectors.adapters.vllm.side_channel import Done, decode
@@ -61,13 +64,14 @@ def registered() -> None:
 
 
 def make_scheduler(
-    model: Path, role: str, extra: dict[str, Any] | None = None, **cfg: Any
+    model: Path, role: str, extra: dict[str, Any] | None = None, batch: int = 2048, **cfg: Any
 ) -> Scheduler:
     vc = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="bfloat16", max_model_len=2048, seed=0),
         cache_config=CacheConfig(block_size=BS),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=2048,
+            max_num_batched_tokens=batch,
+            enable_chunked_prefill=True,
             max_num_seqs=8,
             max_model_len=2048,
             is_encoder_decoder=False,
@@ -331,4 +335,223 @@ def test_worker_reports_blocks_of_an_unreachable_prefill_as_load_errors(tiny_mod
         assert got[-1] == Done("prefill-engine", ["p-1"], 0, 1), got
     finally:
         w.shutdown()
+        mute.close()
+
+
+# -- layer-wise push: the scheduler side -----------------------------------------------------
+
+
+def push_params(push_id: str = "push-1", **over: Any) -> dict[str, Any]:
+    p = {
+        "do_remote_prefill": True,
+        "push_id": push_id,
+        "remote_engine_id": "prefill-engine",
+        "remote_side_channels": ["tcp://127.0.0.1:7"],
+        "remote_tp_size": 1,
+    }
+    p.update(over)
+    return p
+
+
+def chunk_step(s: Scheduler, last: bool) -> tuple[SchedulerOutput, dict[str, Any]]:
+    """One step of a chunked prefill: a token is sampled only once the prompt is done."""
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[5] if last else [] for _ in ids],
+    )
+    finished = {}
+    for eco in s.update_from_output(out, mro).values():
+        for o in eco.outputs:
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.kv_transfer_params
+    return out, finished
+
+
+def test_prefill_tells_its_worker_which_blocks_each_chunk_completes(tiny_model: Path) -> None:
+    s = make_scheduler(tiny_model, "kv_producer", {"kv_lease": 60}, batch=48)
+    idle = free_blocks(s)
+    s.add_request(request("p-1", PROMPT, 1, {"do_remote_decode": True, "push_id": "x"}))
+    steps: list[PushSendStep] = []
+    finished: dict[str, Any] = {}
+    for i in range(3):  # 48 + 48 + 4 tokens; a token is sampled once the prompt is done
+        out, finished = chunk_step(s, i == 2)
+        steps += meta(out).push_send
+    assert [(st.ready, st.final) for st in steps] == [(3, False), (6, False), (7, True)]
+    (allocated,) = s.kv_cache_manager.get_block_ids("p-1")
+    assert steps[-1].block_ids == list(allocated[:7]) and steps[-1].push_id == "x"
+    assert steps[-1].num_tokens == 100 and steps[-1].prompt_hash == prompt_hash(PROMPT)
+    assert finished["p-1"]["do_remote_prefill"] is True  # the pull parameters too, as always
+    assert free_blocks(s) == idle - 7  # held until the worker says the push ended
+    step(s)
+    step(s, kv=KVConnectorOutput(finished_sending={"p-1"}))
+    assert free_blocks(s) == idle
+
+
+def test_prefill_aborted_mid_prompt_ends_its_push(tiny_model: Path) -> None:
+    s = make_scheduler(tiny_model, "kv_producer", batch=48)
+    s.add_request(request("p-2", PROMPT, 1, {"do_remote_decode": True, "push_id": "y"}))
+    out, _ = chunk_step(s, False)
+    assert [st.ready for st in meta(out).push_send] == [3]
+    s.finish_requests("p-2", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(s)
+    (st,) = meta(out).push_send
+    assert st.push_id == "y" and st.aborted and st.final
+
+
+def test_decode_waits_for_a_push_into_the_blocks_it_allocated(tiny_model: Path) -> None:
+    s = make_scheduler(tiny_model, "kv_consumer", {"accept_push": True})
+    r = request("d-1", PROMPT, 3, push_params())
+    s.add_request(r)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {} and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (spec,) = meta(out).push_recv
+    (allocated,) = s.kv_cache_manager.get_block_ids("d-1")
+    assert spec.local_block_ids == allocated[:7] and spec.first_block == 0
+    assert spec.num_tokens == 100 and spec.prompt_hash == prompt_hash(PROMPT)
+    assert spec.remote.push_id == "push-1" and spec.error is None
+    step(s, kv=KVConnectorOutput(finished_recving={"d-1"}))
+    out, _ = step(s, {"d-1": 9})
+    assert out.num_scheduled_tokens == {"d-1": 1}
+
+
+def test_decode_computes_the_prompt_when_it_cannot_take_a_push(tiny_model: Path) -> None:
+    closed = make_scheduler(tiny_model, "kv_consumer")  # accept_push not set
+    closed.add_request(request("d-2", PROMPT, 2, push_params()))
+    out, _ = step(closed, {"d-2": 1})
+    assert out.num_scheduled_tokens == {"d-2": 100}
+    (spec,) = meta(out).push_recv
+    assert spec.local_block_ids == []  # the prefill is told it may free its blocks
+    other_tp = make_scheduler(tiny_model, "kv_consumer", {"accept_push": True})
+    params = push_params(remote_tp_size=2, remote_side_channels=["tcp://a:1", "tcp://a:2"])
+    other_tp.add_request(request("d-3", PROMPT, 2, params))
+    out, _ = step(other_tp, {"d-3": 1})
+    assert out.num_scheduled_tokens == {"d-3": 100}
+
+
+# -- layer-wise push: two workers, real KV tensors, real side channels and transfer engine ----
+
+
+def _kv(fill: bool) -> dict[str, torch.Tensor]:
+    shape = (NUM_BLOCKS, 2, BS, 2 * 64)  # vLLM's CPU layout, 2 KV heads of 64
+    gen = torch.Generator().manual_seed(1)
+    return {
+        f"model.layers.{i}.self_attn.attn": (
+            torch.randn(shape, generator=gen).to(torch.bfloat16)
+            if fill
+            else torch.zeros(shape, dtype=torch.bfloat16)
+        )
+        for i in range(2)
+    }
+
+
+def _workers(model: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PDWorker, PDWorker]:
+    # vLLM's tensor-parallel group is not set up without a model runner: rank 0.
+    import vllm.distributed.parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    s = make_scheduler(model, "kv_both")
+    cfg = PDConfig.from_extra_config({"accept_push": True, "transfer_timeout": 3})
+    return (
+        PDWorker(cfg, s.vllm_config, "eng-p", NUM_BLOCKS, 2),
+        PDWorker(cfg, s.vllm_config, "eng-d", NUM_BLOCKS, 2),
+    )
+
+
+@pytest.mark.parametrize("target_first", [True, False])
+def test_push_writes_each_layer_into_the_decode_blocks(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, target_first: bool
+) -> None:
+    prefill, dec = _workers(tiny_model, monkeypatch)
+    src, dst = _kv(True), _kv(False)
+    try:
+        prefill.register_kv_caches(src)
+        dec.register_kv_caches(dst)
+        assert prefill.layout is not None
+        remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
+        recv = PushRecvSpec("d-1", [40, 41, 42], 1, 60, prompt_hash(PROMPT[:60]), remote)
+        send = PushSendStep("p-1", "pid", [5, 6, 7, 8], 4, 60, prompt_hash(PROMPT[:60]), True)
+        step_meta = PDConnectorMetadata(push_send=[send])
+
+        def forward() -> None:
+            for name in src:
+                prefill.save_kv_layer(name, step_meta)
+            prefill.start_load_kv(step_meta)  # after the forward, as vLLM does: no double count
+            prefill.wait_for_save()
+
+        if target_first:
+            dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
+            wait_until(lambda: prefill._pushes.get("pid") is not None, 5, "the push target")
+            forward()
+        else:  # the prefill computed everything before the decode allocated: caught up
+            forward()
+            dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
+        wait_until(lambda: "d-1" in dec._recv_done, 10, "the push to end")
+        assert dec.get_finished() == (None, {"d-1"}) and dec.take_load_errors() == set()
+        for name in src:  # prefill blocks 6, 7, 8 (from first_block 1) -> decode 40, 41, 42
+            assert torch.equal(dst[name][40:43], src[name][6:9])
+            assert not dst[name][43].any() and not dst[name][39].any()
+        stats = dec.stats.take()
+        assert stats is not None and len(stats.data["pushes"]) == 1
+        assert (sum(stats.data["push_overlapped_bytes"]) > 0) == target_first
+        wait_until(lambda: prefill.get_finished()[0] is None, 1, "")  # no lease started yet
+        prefill.start_load_kv(PDConnectorMetadata(send={"p-1": 30.0}))
+        assert prefill.get_finished() == ({"p-1"}, None)  # pushed: the blocks are freed
+    finally:
+        prefill.shutdown()
+        dec.shutdown()
+
+
+def test_push_for_other_tokens_is_refused_and_the_decode_recomputes(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill, dec = _workers(tiny_model, monkeypatch)
+    src, dst = _kv(True), _kv(False)
+    try:
+        prefill.register_kv_caches(src)
+        dec.register_kv_caches(dst)
+        assert prefill.layout is not None
+        remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
+        recv = PushRecvSpec("d-1", [40, 41], 0, 32, prompt_hash(PROMPT[:32]), remote)
+        dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
+        wait_until(lambda: prefill._pushes.get("pid") is not None, 5, "the push target")
+        other = PushSendStep("p-1", "pid", [5, 6], 2, 32, prompt_hash(PROMPT[1:33]), True)
+        m = PDConnectorMetadata(push_send=[other])
+        for name in src:
+            prefill.save_kv_layer(name, m)
+        prefill.wait_for_save()
+        wait_until(lambda: "d-1" in dec._recv_done, 10, "the refusal")
+        assert dec.take_load_errors() == {40, 41}
+        assert not dst["model.layers.0.self_attn.attn"][40:42].any()  # nothing was written
+    finally:
+        prefill.shutdown()
+        dec.shutdown()
+
+
+def test_decode_gives_up_on_a_push_that_never_comes(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm.distributed.parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    s = make_scheduler(tiny_model, "kv_both")
+    cfg = PDConfig.from_extra_config({"accept_push": True, "transfer_timeout": 0.5})
+    dec = PDWorker(cfg, s.vllm_config, "eng-d", NUM_BLOCKS, 2)
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # a prefill that takes the target and never pushes
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        dec.register_kv_caches(_kv(False))
+        remote = RemotePush("pid", "eng-p", (f"tcp://127.0.0.1:{port}",), 1)
+        recv = PushRecvSpec("d-1", [3, 4], 0, 32, prompt_hash(PROMPT[:32]), remote)
+        t0 = time.monotonic()
+        dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
+        wait_until(lambda: dec.get_finished()[1] == {"d-1"}, 10, "the decode to give up")
+        assert time.monotonic() - t0 < 0.5 + 3  # its deadline plus the grace for late writes
+        assert dec.take_load_errors() == {3, 4}
+    finally:
+        dec.shutdown()
         mute.close()
