@@ -588,6 +588,9 @@ def bench_vllm_pd(
     kv_heads: KvHeads = 4,
     work_dir: WorkDir = None,
     transports: OurTransports = "shm,tcp",
+    push: Annotated[
+        bool, typer.Option(help="Also run ours with layer-wise push (both legs at once).")
+    ] = True,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -607,6 +610,7 @@ def bench_vllm_pd(
             kv_heads=kv_heads,
             work_dir=Path(work_dir) if work_dir else None,
             transports=tuple(_csv(transports)),
+            push=push,
             progress=advance,
         )
     _emit(result, output)

@@ -28,6 +28,7 @@ class Upstream(LoopbackApp):
     def __init__(self, name: str, *, fail: bool = False) -> None:
         self.name = name
         self.fail = fail
+        self.push_info = False  # answer prefill legs with the engine's side channels
         self.bodies: list[dict[str, Any]] = []
         super().__init__()
         self.app.router.add_post("/v1/completions", self.handle)
@@ -40,9 +41,13 @@ class Upstream(LoopbackApp):
             return web.json_response({"error": "boom"}, status=500)
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
-            return web.json_response(
-                {"choices": [{"text": "x"}], "kv_transfer_params": {"from": self.name}}
-            )
+            engine = {
+                "remote_engine_id": f"engine-{self.name}",
+                "remote_side_channels": [f"tcp://127.0.0.1:1{self.name[1:]}"],
+                "remote_tp_size": 1,
+            }
+            answer = {"from": self.name} | (engine if self.push_info else {})
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": answer})
         if body.get("stream"):
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
@@ -56,12 +61,13 @@ class Upstream(LoopbackApp):
 
 
 @contextlib.asynccontextmanager
-async def cluster() -> AsyncIterator[tuple[list[Upstream], list[Upstream], str]]:
+async def cluster(push: bool = False) -> AsyncIterator[tuple[list[Upstream], list[Upstream], str]]:
     prefill = [Upstream("p0"), Upstream("p1")]
     decode = [Upstream("d0"), Upstream("d1")]
     for u in (*prefill, *decode):
+        u.push_info = push
         await u.start()
-    proxy = PDProxy([u.url for u in prefill], [u.url for u in decode], timeout=10)
+    proxy = PDProxy([u.url for u in prefill], [u.url for u in decode], timeout=10, push=push)
     runner = web.AppRunner(proxy.app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -142,3 +148,33 @@ def test_chat_streaming_is_relayed_and_a_failed_prefill_falls_back() -> None:
 def test_proxy_needs_both_lists() -> None:
     with pytest.raises(ValueError, match="at least one prefill and one decode"):
         PDProxy([], ["http://127.0.0.1:1"])
+
+
+def test_layerwise_push_runs_both_legs_at_once_after_learning_the_prefill() -> None:
+    async def go() -> None:
+        async with cluster(push=True) as (prefill, _decode, url):
+            async with aiohttp.ClientSession() as s:
+                answers = []
+                for i in range(4):
+                    body = {"model": "m", "prompt": f"p{i}", "max_tokens": 5}
+                    async with s.post(url + "/v1/completions", json=body) as r:
+                        assert r.status == 200
+                        answers.append(await r.json())
+            for _ in range(100):  # the prefill legs run beside the decode legs: let them land
+                if all(len(p.bodies) == 2 for p in prefill):
+                    break
+                await asyncio.sleep(0.02)
+            got = [a["got"] for a in answers]
+            # the first request to each prefill is a pull: its answer says where the engine is
+            assert got[0]["from"] == "p0" and got[1]["from"] == "p1"
+            assert "push_id" not in got[0] and "push_id" not in got[1]
+            for i, p in ((2, "p0"), (3, "p1")):
+                ids = {got[i]["push_id"]}
+                assert got[i]["do_remote_prefill"] is True
+                assert got[i]["remote_engine_id"] == f"engine-{p}"
+                assert got[i]["remote_side_channels"] == [f"tcp://127.0.0.1:1{p[1:]}"]
+                leg = prefill[int(p[1])].bodies[-1]["kv_transfer_params"]
+                assert leg["do_remote_decode"] is True and {leg["push_id"]} == ids
+            assert got[2]["push_id"] != got[3]["push_id"]
+
+    run(go())

@@ -6,11 +6,13 @@ caching off (so every prompt is really prefilled and really transferred). For ev
 length, ``rounds`` prompts go through prefill then decode, and we record
 
 - ``transfer_ms``: the connector's own per-request KV transfer time as vLLM logs it
-  (``KV Transfer metrics``, logged every second here): ours is the decode side's batch READ,
-  submit to completion; Mooncake's is the prefill side's ``batch_transfer_sync_write`` (it
-  pushes). Same bytes (``mb``) either way.
-- ``ttft_ms``: from sending the request to the decode's first streamed token (ours: prefill leg,
-  then decode leg; Mooncake's: both legs at once, as its proxy does);
+  (``KV Transfer metrics``, logged every second here): ours (pull) is the decode side's batch
+  READ, submit to completion; ours with layer-wise push is what of the push was left after the
+  prefill's last forward (the rest overlapped the computation of later layers); Mooncake's is
+  the prefill side's ``batch_transfer_sync_write`` after the prefill (it pushes). Same bytes
+  (``mb``) either way.
+- ``ttft_ms``: from sending the request to the decode's first streamed token (ours pull: prefill
+  leg, then decode leg; ours push and Mooncake's: both legs at once, as their proxies do);
 - ``tokens_identical``: the decode's greedy tokens equal a plain single-engine run's.
 
 vLLM's MooncakeConnector asks torch for an accelerator device index, which CPU torch refuses;
@@ -112,6 +114,69 @@ class _Ours:
         return _stream_decode(decode, prompt, max_tokens, leg["kv_transfer_params"], t0)
 
 
+class _OursPush(_Ours):
+    """Ours with layer-wise push: both legs at once, as ``proxy --layerwise-push`` runs them.
+    Its ``transfer_ms`` is the part of the push after the prefill's last forward (the rest was
+    written while later layers were computed)."""
+
+    def __init__(self, transports: list[str]) -> None:
+        super().__init__(transports)
+        self.name = (
+            f"mooncake-connectors MooncakeConnectorsPD layer-wise push ({','.join(transports)})"
+        )
+        self.engine: dict[str, Any] | None = None
+
+    def kv(self, role: str) -> dict[str, Any]:
+        cfg = super().kv(role)
+        if role == "kv_consumer":
+            cfg["kv_connector_extra_config"]["accept_push"] = True
+        return cfg
+
+    def run(
+        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
+    ) -> tuple[float, list[int]]:
+        if self.engine is None:  # learn where the prefill's side channels are (a pull)
+            t0 = time.perf_counter()
+            leg = completion(
+                prefill.url, prompt, 1, {"kv_transfer_params": {"do_remote_decode": True}}
+            )
+            params = leg["kv_transfer_params"]
+            keys = ("remote_engine_id", "remote_side_channels", "remote_tp_size")
+            self.engine = {k: params[k] for k in keys}
+            return _stream_decode(decode, prompt, max_tokens, params, t0)
+        push_id = f"bench-{n}-{time.monotonic_ns()}"
+        leg_params = {"kv_transfer_params": {"do_remote_decode": True, "push_id": push_id}}
+        params = {"do_remote_prefill": True, "push_id": push_id, **self.engine}
+        return _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
+
+
+def _both_legs(
+    prefill: VllmServer,
+    decode: VllmServer,
+    prompt: list[int],
+    max_tokens: int,
+    leg_params: dict[str, Any],
+    params: dict[str, Any],
+) -> tuple[float, list[int]]:
+    """The prefill leg in a thread and the decode leg at the same time (push designs)."""
+    errors: list[BaseException] = []
+
+    def prefill_leg() -> None:
+        try:
+            completion(prefill.url, prompt, 1, leg_params)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=prefill_leg, daemon=True)
+    th.start()
+    out = _stream_decode(decode, prompt, max_tokens, params, t0)
+    th.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return out
+
+
 class _Theirs:
     name = "vLLM MooncakeConnector (mooncake-transfer-engine wheel, tcp)"
 
@@ -143,33 +208,14 @@ class _Theirs:
         self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
     ) -> tuple[float, list[int]]:
         tid = f"bench-{n}-{time.monotonic_ns()}"
-        errors: list[BaseException] = []
-
-        def prefill_leg() -> None:
-            try:
-                completion(
-                    prefill.url,
-                    prompt,
-                    1,
-                    {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}},
-                )
-            except BaseException as exc:
-                errors.append(exc)
-
-        t0 = time.perf_counter()
-        th = threading.Thread(target=prefill_leg, daemon=True)
-        th.start()
+        leg_params = {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
         params = {
             "do_remote_prefill": True,
             "remote_engine_id": "bench-kv_producer",
             "remote_bootstrap_addr": f"http://127.0.0.1:{self.bootstrap}",
             "transfer_id": tid,
         }
-        out = _stream_decode(decode, prompt, max_tokens, params, t0)
-        th.join(timeout=60)
-        if errors:
-            raise errors[0]
-        return out
+        return _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
 
 
 def _stream_decode(
@@ -193,6 +239,7 @@ def run_pd_benchmark(
     kv_heads: int = 4,
     work_dir: Path | None = None,
     transports: tuple[str, ...] = ("shm", "tcp"),
+    push: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
@@ -202,6 +249,8 @@ def run_pd_benchmark(
     work.mkdir(parents=True, exist_ok=True)
     model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
     runners: list[Any] = [_Ours(list(transports))]
+    if push:
+        runners.append(_OursPush(list(transports)))
     skipped = None
     if with_mooncake:
         if importlib.util.find_spec("mooncake") is None:
@@ -289,11 +338,22 @@ def run_pd_benchmark(
     }
     if skipped:
         out["skipped"] = skipped
-    if len(results) == 2:
-        ours, theirs = (results[r.name] for r in runners)
-        out["transfer_ratio_ours_over_theirs"] = {
-            k: round(ours[k]["transfer_ms"] / theirs[k]["transfer_ms"], 3)
-            for k in ours
-            if theirs[k]["transfer_ms"]
-        }
+    names = {type(r): r.name for r in runners}
+
+    def ratio(a: type, b: type, field: str) -> dict[str, float] | None:
+        if a not in names or b not in names:
+            return None
+        x, y = results[names[a]], results[names[b]]
+        return {k: round(x[k][field] / y[k][field], 3) for k in x if y[k][field]}
+
+    for label, a, b, field in (
+        ("transfer_ratio_ours_over_theirs", _Ours, _Theirs, "transfer_ms"),
+        ("transfer_ratio_push_over_theirs", _OursPush, _Theirs, "transfer_ms"),
+        ("ttft_ratio_ours_over_theirs", _Ours, _Theirs, "ttft_ms"),
+        ("ttft_ratio_push_over_theirs", _OursPush, _Theirs, "ttft_ms"),
+        ("ttft_ratio_push_over_pull", _OursPush, _Ours, "ttft_ms"),
+    ):
+        got = ratio(a, b, field)
+        if got is not None:
+            out[label] = got
     return out
