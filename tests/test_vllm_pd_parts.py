@@ -25,6 +25,8 @@ from mooncake_connectors.adapters.vllm.layout import (
 from mooncake_connectors.adapters.vllm.side_channel import (
     Done,
     LayerLayout,
+    PushDone,
+    PushTarget,
     SideChannelClient,
     SideChannelServer,
     WorkerLayout,
@@ -32,7 +34,7 @@ from mooncake_connectors.adapters.vllm.side_channel import (
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import ConfigError, TransferTimeout
 from mooncake_connectors.transfer_core import TransferEngine
-from mooncake_connectors.types import Access, TransferStatus
+from mooncake_connectors.types import Access, TransferOp, TransferStatus
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -67,6 +69,7 @@ def test_unknown_key_names_itself_and_the_allowed_ones() -> None:
         ({"tcp_lanes": 0}, "tcp_lanes"),
         ({"host": ""}, "not an address"),
         ({"auth_token": "short"}, "at least 8"),
+        ({"accept_push": "yes"}, "true or false"),
     ],
 )
 def test_bad_values_are_config_errors(extra: dict[str, object], match: str) -> None:
@@ -341,6 +344,56 @@ def test_a_failing_handler_does_not_end_the_side_channel() -> None:
             client.fetch_layout(srv.endpoint)  # no answer while not ready
         ready.set()
         assert client.fetch_layout(srv.endpoint) == layout
+    finally:
+        client.close()
+        srv.close()
+
+
+def test_planned_writes_push_only_the_named_layers_into_the_peer() -> None:
+    src = {"l0": cpu_kv(), "l1": cpu_kv() * 2}
+    dst = {"l0": cpu_kv(False), "l1": cpu_kv(False)}
+    prefill = TransferEngine(EngineConfig(metadata="memory://pd-push", transports=("tcp",)))
+    decode = TransferEngine(EngineConfig(metadata="memory://pd-push", transports=("tcp",)))
+    with prefill, decode:
+        for engine, tensors, access in ((prefill, src, Access.READ), (decode, dst, Access.WRITE)):
+            lays = [lay for n, t in tensors.items() for lay in layer_layouts(n, t, NB)]
+            engine.register_many(register_spans(lays), access=access, owner=tensors)
+        target = worker_layout(dst, decode.segment_name)
+        reqs, _ = plan_reads(
+            worker_layout(src), [target], [3, 4, 5], [0, 1, 7], op=TransferOp.WRITE, layers={"l1"}
+        )
+        assert {r.op for r in reqs} == {TransferOp.WRITE} and len(reqs) == 2  # 3-4-5 -> 0-1, 7
+        batch = prefill.submit(reqs, timeout=10)
+        assert batch.wait(15)
+        assert batch.statuses == [TransferStatus.COMPLETED] * len(reqs)
+    for lb, rb in zip([0, 1, 7], [3, 4, 5], strict=True):
+        assert torch.equal(dst["l1"][lb], src["l1"][rb])
+    assert not dst["l0"].any()  # not named: not written
+
+
+def test_push_messages_over_the_side_channel() -> None:
+    targets: list[PushTarget] = []
+    dones: list[PushDone] = []
+    arrived = threading.Event()
+    layout = WorkerLayout("dec", 0, 1, "seg", "tcp://127.0.0.1:9", 32, "bf16", [])
+
+    def on_target(msg: PushTarget) -> None:
+        targets.append(msg)
+
+    def on_push_done(msg: PushDone) -> None:
+        dones.append(msg)
+        arrived.set()
+
+    srv = SideChannelServer(
+        "127.0.0.1", 0, lambda: layout, lambda msg: None, on_target, on_push_done
+    )
+    client = SideChannelClient(timeout=2)
+    try:
+        target = PushTarget("id-1", "pre", layout, 2, [7, 8], 80, "h", 1e12)
+        assert client.send(srv.endpoint, target)
+        assert client.send(srv.endpoint, PushDone("id-1", False, "other tokens"))
+        assert arrived.wait(5), "PushDone did not arrive"
+        assert targets == [target] and dones == [PushDone("id-1", False, "other tokens")]
     finally:
         client.close()
         srv.close()
