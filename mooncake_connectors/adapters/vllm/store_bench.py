@@ -10,7 +10,7 @@ loading engine has nothing of its own). For every prompt length and round a fres
 2. after a settle pause (``settle`` s, for the save to land), sent to engine B, streaming:
    ``ttft_ms`` is the time to B's first token, ``hit_fraction`` the share of prompt tokens B
    took from the store (vLLM's ``external_prefix_cache_hits`` counter), ``tokens_identical``
-   whether B's greedy tokens equal A's.
+   whether B's greedy tokens equal A's for every prompt (``tokens_identical_per_prompt``: each).
 
 ``miss_ttft_ms`` is B computing a never-saved prompt of the same length (what a hit saves).
 ``--ours-async`` adds a run of ours with ``load_async``. The systems run one after the other;
@@ -262,6 +262,7 @@ def run_store_benchmark(
                     "ttft_ms_all": [round(t, 1) for t in ttft],
                     "hit_fraction": round(min(hit), 3),
                     "tokens_identical": all(same),
+                    "tokens_identical_per_prompt": same,
                     "miss_ttft_ms": round(miss_ms, 1),
                 }
             results[runner.name] = per_len
