@@ -12,18 +12,17 @@ again, when all but the last block come from its prefix cache. The prompts are t
 from __future__ import annotations
 
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
 
-from mooncake_connectors.adapters.vllm.launch import VllmServer, completion, token_ids
+from mooncake_connectors.adapters.vllm.launch import (
+    VllmServer,
+    completion,
+    random_prompt,
+    token_ids,
+)
 from mooncake_connectors.adapters.vllm.tiny_model import build
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 def main() -> None:
@@ -41,7 +40,7 @@ def main() -> None:
         b.wait_ready()
         for n in lengths:
             for r in range(3):
-                p = prompt(n * 100 + r, n)
+                p = random_prompt(n * 100 + r, n)
                 whole_a = token_ids(completion(a.url, p, 16))
                 whole_b = token_ids(completion(b.url, p, 16))
                 cached_b = token_ids(completion(b.url, p, 16))  # over B's own prefix cache

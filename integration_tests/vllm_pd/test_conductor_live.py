@@ -19,7 +19,6 @@ second burst is admitted only as far as the corrected estimates meet the SLO.
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 import urllib.error
@@ -36,7 +35,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 from helpers import wait_until
 
-from mooncake_connectors.adapters.vllm.launch import Server, VllmServer, completion
+from mooncake_connectors.adapters.vllm.launch import Server, VllmServer, completion, random_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -65,11 +64,6 @@ def events_config(endpoint: str) -> str:
             "topic": "kv-events",
         }
     )
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 class ConductorProxy(Server):
@@ -207,10 +201,10 @@ def test_calibration_profiled_the_engines(live: Live) -> None:
 
 def test_a_shared_long_prefix_lands_where_it_is_cached(live: Live) -> None:
     second = live.prefill[1]
-    prefix = prompt(7, 1024)  # 32 blocks
+    prefix = random_prompt(7, 1024)  # 32 blocks
     # The second engine computes the prefix for a request that bypasses the proxy; the proxy
     # learns it only from that engine's KV events.
-    completion(second.url, [*prefix, *prompt(8, 40)], 2)
+    completion(second.url, [*prefix, *random_prompt(8, 40)], 2)
     url = second.url
     wait_until(
         lambda: live.cache.get("/conductor/stats")["prefill"][url]["cached_blocks"] >= 32,
@@ -227,7 +221,7 @@ def test_a_shared_long_prefix_lands_where_it_is_cached(live: Live) -> None:
     first_before = live.prefill[0].metric("vllm:prompt_tokens_total")
     status, answer, headers, _ = call(
         live.cache.url + "/v1/completions",
-        {"model": "tiny", "prompt": [*prefix, *prompt(9, 50)], "max_tokens": 4,
+        {"model": "tiny", "prompt": [*prefix, *random_prompt(9, 50)], "max_tokens": 4,
          "temperature": 0.0, "ignore_eos": True},
     )  # fmt: skip
     assert status == 200, answer
@@ -242,12 +236,12 @@ def test_a_shared_long_prefix_lands_where_it_is_cached(live: Live) -> None:
     assert decision["cached_blocks"] == 32
 
     # A fresh prefix goes to the first engine (tie), and its follow-up follows it there.
-    other = prompt(11, 768)
+    other = random_prompt(11, 768)
     placed = []
     for suffix in (12, 13):
         status, answer, headers, _ = call(
             live.cache.url + "/v1/completions",
-            {"model": "tiny", "prompt": [*other, *prompt(suffix, 30)], "max_tokens": 2},
+            {"model": "tiny", "prompt": [*other, *random_prompt(suffix, 30)], "max_tokens": 2},
         )
         assert status == 200, answer
         placed.append((headers["x-conductor-prefill"], int(headers["x-conductor-cached-blocks"])))
@@ -264,7 +258,7 @@ def test_a_shared_long_prefix_lands_where_it_is_cached(live: Live) -> None:
 
 def test_overload_gets_early_429s_then_admits_only_what_meets_the_slo(live: Live) -> None:
     n = 12
-    prompts = [prompt(100 + i, OVERLOAD_TOKENS) for i in range(n)]
+    prompts = [random_prompt(100 + i, OVERLOAD_TOKENS) for i in range(n)]
     limit = live.strict.get("/conductor/stats")["ttft_slo_s"]
 
     def one(p: list[int]) -> tuple[int, dict[str, Any], dict[str, str], float]:
@@ -296,7 +290,7 @@ def test_overload_gets_early_429s_then_admits_only_what_meets_the_slo(live: Live
     # legs; a second burst is admitted against those corrected estimates.
     slowdown = {p: v["slowdown"] for p, v in stats["prefill"].items()}
     again = list(
-        ThreadPoolExecutor(n).map(one, [prompt(200 + i, OVERLOAD_TOKENS) for i in range(n)])
+        ThreadPoolExecutor(n).map(one, [random_prompt(200 + i, OVERLOAD_TOKENS) for i in range(n)])
     )
     ok2 = sorted(round(r[3], 3) for r in again if r[0] == 200)
     print(

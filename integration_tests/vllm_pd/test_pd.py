@@ -9,7 +9,6 @@ stays last.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,8 +25,10 @@ from mooncake_connectors.adapters.vllm.launch import (
     ProxyServer,
     VllmServer,
     completion,
+    pd_kv_config,
     post,
     post_stream,
+    random_prompt,
     token_ids,
 )
 
@@ -42,21 +43,9 @@ LOAD_BYTES = "vllm:mooncake_connectors_pd_load_bytes_total"
 
 
 def kv_config(role: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "MooncakeConnectorsPD",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "transfer_timeout": TRANSFER_TIMEOUT,
-            "handshake_timeout": 2.0,
-            "kv_lease": KV_LEASE,
-        },
-    }
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
+    return pd_kv_config(
+        role, transfer_timeout=TRANSFER_TIMEOUT, handshake_timeout=2.0, kv_lease=KV_LEASE
+    )
 
 
 @dataclass
@@ -95,7 +84,7 @@ def show_logs_on_failure(request: pytest.FixtureRequest, pd: PD) -> Iterator[Non
 
 
 def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
-    prompts = [prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
+    prompts = [random_prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
     reference = [token_ids(completion(pd.prefill.url, p, MAX_TOKENS)) for p in prompts]
     hits_before = pd.decode.metric("vllm:external_prefix_cache_hits_total")
     second_before = pd.prefill2.metric("vllm:prompt_tokens_total")
@@ -131,7 +120,7 @@ def test_proxy_chat_and_streaming(pd: PD) -> None:
     answer = post(pd.proxy.url + "/v1/chat/completions", body)
     assert answer["choices"][0]["message"] == reference["choices"][0]["message"]
 
-    p = prompt(100, 640)
+    p = random_prompt(100, 640)
     ref_text = completion(pd.prefill.url, p, 16)["choices"][0]["text"]
     events = post_stream(
         pd.proxy.url + "/v1/completions",
@@ -146,7 +135,10 @@ def test_unclaimed_prefill_blocks_are_freed_when_the_lease_ends(pd: PD) -> None:
     usage = "vllm:kv_cache_usage_perc"
     wait_until(lambda: pd.prefill.metric(usage) == 0, 30, "prefill KV usage to settle")
     leg = completion(
-        pd.prefill.url, prompt(200, 900), 1, {"kv_transfer_params": {"do_remote_decode": True}}
+        pd.prefill.url,
+        random_prompt(200, 900),
+        1,
+        {"kv_transfer_params": {"do_remote_decode": True}},
     )
     assert leg["kv_transfer_params"]["do_remote_prefill"] is True
     assert pd.prefill.metric(usage) > 0  # held for a decode that never comes
@@ -156,7 +148,7 @@ def test_unclaimed_prefill_blocks_are_freed_when_the_lease_ends(pd: PD) -> None:
 
 
 def test_prefill_killed_after_its_leg_decode_recomputes(pd: PD) -> None:
-    p = prompt(300, 800)
+    p = random_prompt(300, 800)
     reference = token_ids(completion(pd.prefill.url, p, MAX_TOKENS))
     leg = completion(pd.prefill.url, p, 1, {"kv_transfer_params": {"do_remote_decode": True}})
     pd.prefill.kill()

@@ -8,7 +8,6 @@ run as a plain single engine. The last test kills the prefill engine, so it stay
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -27,7 +26,9 @@ from mooncake_connectors.adapters.vllm.launch import (
     ProxyServer,
     VllmServer,
     completion,
+    pd_kv_config,
     post_stream,
+    random_prompt,
     token_ids,
 )
 
@@ -44,22 +45,8 @@ OVERLAPPED = "vllm:mooncake_connectors_pd_push_overlapped_bytes_total"
 
 
 def kv_config(role: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "MooncakeConnectorsPD",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "transfer_timeout": TRANSFER_TIMEOUT,
-            "handshake_timeout": 2.0,
-            "kv_lease": 20.0,
-        }
-        | extra,
-    }
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
+    timeouts = {"transfer_timeout": TRANSFER_TIMEOUT, "handshake_timeout": 2.0, "kv_lease": 20.0}
+    return pd_kv_config(role, **timeouts, **extra)
 
 
 @dataclass
@@ -84,7 +71,7 @@ def push(tiny_model: Path, log_dir: Path) -> Iterator[Push]:
             s.wait_ready()
         # The proxy learns where the prefill engine's side channels are from its first answer;
         # that first request is a pull.
-        completion(proxy.url, prompt(999, 200), 2)
+        completion(proxy.url, random_prompt(999, 200), 2)
         yield Push(prefill, decode, proxy)
     finally:
         for s in servers:
@@ -103,7 +90,10 @@ def show_logs_on_failure(request: pytest.FixtureRequest, push: Push) -> Iterator
 def pushed_params(push: Push, push_id: str) -> dict[str, Any]:
     """What the proxy sends the decode leg, built from a prefill answer (as the proxy does)."""
     probe = completion(
-        push.prefill.url, prompt(997, 150), 1, {"kv_transfer_params": {"do_remote_decode": True}}
+        push.prefill.url,
+        random_prompt(997, 150),
+        1,
+        {"kv_transfer_params": {"do_remote_decode": True}},
     )
     params = probe["kv_transfer_params"]
     return {
@@ -116,7 +106,7 @@ def pushed_params(push: Push, push_id: str) -> dict[str, Any]:
 
 
 def test_pushed_tokens_equal_single_engine_and_every_prompt_token_is_external(push: Push) -> None:
-    prompts = [prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
+    prompts = [random_prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
     reference = [token_ids(completion(push.prefill.url, p, MAX_TOKENS)) for p in prompts]
     hits, pushes, loads = (push.decode.metric(m) for m in (HITS, PUSHES, LOADS))
     failed, overlapped = push.decode.metric(FAILED), push.decode.metric(OVERLAPPED)
@@ -134,7 +124,7 @@ def test_pushed_tokens_equal_single_engine_and_every_prompt_token_is_external(pu
 
 
 def test_pushed_streaming_answer(push: Push) -> None:
-    p = prompt(100, 640)
+    p = random_prompt(100, 640)
     ref_text = completion(push.prefill.url, p, 16)["choices"][0]["text"]
     before = push.decode.metric(PUSHES)
     events = post_stream(
@@ -149,7 +139,7 @@ def test_pushed_streaming_answer(push: Push) -> None:
 
 def test_push_of_other_prompt_tokens_is_refused_and_recomputed(push: Push) -> None:
     """The prefill computes other tokens than the decode expects: nothing is written."""
-    p = prompt(400, 700)
+    p = random_prompt(400, 700)
     reference = token_ids(completion(push.prefill.url, p, MAX_TOKENS))
     push_id = uuid.uuid4().hex
     failed = push.decode.metric(FAILED)
@@ -167,7 +157,7 @@ def test_push_of_other_prompt_tokens_is_refused_and_recomputed(push: Push) -> No
 
 
 def test_prefill_killed_decode_waiting_for_a_push_recomputes(push: Push) -> None:
-    p = prompt(300, 800)
+    p = random_prompt(300, 800)
     reference = token_ids(completion(push.prefill.url, p, MAX_TOKENS))
     params = pushed_params(push, uuid.uuid4().hex)
     push.prefill.kill()

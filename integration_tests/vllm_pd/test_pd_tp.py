@@ -15,7 +15,6 @@ read past a 30 s deadline, the engine's own "no shared memory broadcast block in
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from mooncake_connectors.adapters.vllm.launch import (
     ProxyServer,
     VllmServer,
     completion,
+    pd_kv_config,
+    random_prompt,
     token_ids,
 )
 
@@ -49,21 +50,7 @@ HITS = "vllm:external_prefix_cache_hits_total"
 
 
 def kv_config(role: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "MooncakeConnectorsPD",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "transfer_timeout": 30.0,
-            "handshake_timeout": 10.0,
-            "kv_lease": 120.0,
-        },
-    }
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
+    return pd_kv_config(role, transfer_timeout=30.0, handshake_timeout=10.0, kv_lease=120.0)
 
 
 def engine(log_dir: Path, model: Path, role: str, tp: int, first_core: int) -> VllmServer:
@@ -109,7 +96,7 @@ def test_kv_moves_between_different_tp_sizes(
     pair: tuple[VllmServer, VllmServer, ProxyServer],
 ) -> None:
     prefill, decode, proxy = pair
-    prompts = [prompt(50 + i, n) for i, n in enumerate(PROMPT_LENGTHS)]
+    prompts = [random_prompt(50 + i, n) for i, n in enumerate(PROMPT_LENGTHS)]
     reference = [token_ids(completion(prefill.url, p, MAX_TOKENS)) for p in prompts]
     hits, loads, failed = (decode.metric(m) for m in (HITS, LOADS, FAILED))
     for i, p in enumerate(prompts):

@@ -29,6 +29,7 @@ from mooncake_connectors.adapters.vllm.launch import (
     StoreServerProcess,
     VllmServer,
     completion,
+    random_prompt,
     token_ids,
 )
 from mooncake_connectors.adapters.vllm.store_keys import BlockKeys, prompt_block_hashes
@@ -59,11 +60,6 @@ def kv_config(master: str, load_async: bool) -> dict[str, Any]:
             "load_async": load_async,
         },
     }
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 @dataclass
@@ -127,7 +123,7 @@ def show_logs_on_failure(request: pytest.FixtureRequest, cluster: Cluster) -> It
 
 
 def _reuse(cluster: Cluster, saver: VllmServer, loader: VllmServer, seed: int) -> None:
-    prompts = [prompt(seed + i, n) for i, n in enumerate(LENGTHS)]
+    prompts = [random_prompt(seed + i, n) for i, n in enumerate(LENGTHS)]
     reference = [token_ids(completion(saver.url, p, MAX_TOKENS)) for p in prompts]
     for p in prompts:
         cluster.wait_saved(p)
@@ -148,7 +144,7 @@ def test_b_saves_a_loads_with_prefix_caching_off(cluster: Cluster) -> None:
 
 
 def test_saving_again_skips_blocks_already_stored(cluster: Cluster) -> None:
-    p = prompt(150, 900)
+    p = random_prompt(150, 900)
     ref = token_ids(completion(cluster.a.url, p, MAX_TOKENS))
     cluster.wait_saved(p)
     # A (no local prefix cache) loads it, then finishes it again: nothing new to write.
@@ -157,7 +153,7 @@ def test_saving_again_skips_blocks_already_stored(cluster: Cluster) -> None:
 
 
 def test_corrupted_store_values_change_the_tokens(cluster: Cluster) -> None:
-    p = prompt(200, 1300)
+    p = random_prompt(200, 1300)
     reference = token_ids(completion(cluster.a.url, p, MAX_TOKENS))
     cluster.wait_saved(p)
     keys = cluster.object_keys(p)
@@ -176,8 +172,8 @@ def test_corrupted_store_values_change_the_tokens(cluster: Cluster) -> None:
 
 
 def test_store_server_killed_engine_recomputes_within_deadline(cluster: Cluster) -> None:
-    p = prompt(300, 1300)  # saved by A, loaded by B (asynchronously)
-    q = prompt(302, 1100)  # saved by B, loaded by A (synchronously)
+    p = random_prompt(300, 1300)  # saved by A, loaded by B (asynchronously)
+    q = random_prompt(302, 1100)  # saved by B, loaded by A (synchronously)
     reference = token_ids(completion(cluster.a.url, p, MAX_TOKENS))
     ref_q = token_ids(completion(cluster.b.url, q, MAX_TOKENS))
     cluster.wait_saved(p)
@@ -191,7 +187,7 @@ def test_store_server_killed_engine_recomputes_within_deadline(cluster: Cluster)
         assert elapsed < TIMEOUT + 15, f"took {elapsed:.1f}s"
         assert "will be recomputed" in engine.tail(400)  # the load-error path, not a miss
     # and a prompt the store never had still works
-    r = prompt(301, 700)
+    r = random_prompt(301, 700)
     assert token_ids(completion(cluster.b.url, r, MAX_TOKENS)) == token_ids(
         completion(cluster.a.url, r, MAX_TOKENS)
     )
@@ -199,7 +195,7 @@ def test_store_server_killed_engine_recomputes_within_deadline(cluster: Cluster)
 
 def test_store_absent_engines_keep_serving(cluster: Cluster) -> None:
     cluster.master.kill()
-    p = prompt(400, 900)
+    p = random_prompt(400, 900)
     t0 = time.monotonic()
     ref = token_ids(completion(cluster.a.url, p, MAX_TOKENS))
     assert token_ids(completion(cluster.b.url, p, MAX_TOKENS)) == ref

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import re
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .launch import VllmServer, completion, free_port, stream_completion, token_ids
+from .launch import VllmServer, completion, free_port, random_prompt, stream_completion, token_ids
 
 _METRICS = re.compile(
     r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)"
@@ -48,11 +47,6 @@ try:
 except Exception:
     pass
 """
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 class _Stats:
@@ -290,13 +284,13 @@ def run_pd_benchmark(
             decode.wait_ready()
             stats = _Stats(runner.stats_side(prefill, decode))
             for w in range(3):  # warm both engines and the connector's connections
-                runner.run(prefill, decode, _prompt(10_000 + w, 256), 2, -w)
+                runner.run(prefill, decode, random_prompt(10_000 + w, 256), 2, -w)
             stats.wait(3, timeout=10)
             per_len: dict[str, Any] = {}
             for length in lengths:
                 ttft, same = [], []
                 for r in range(rounds):
-                    prompt = _prompt(length * 100 + r, length)
+                    prompt = random_prompt(length * 100 + r, length)
                     ms, ids = runner.run(prefill, decode, prompt, max_tokens, r)
                     key = (length, r)
                     if key not in reference:

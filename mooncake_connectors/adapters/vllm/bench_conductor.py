@@ -26,15 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .launch import Server, VllmServer, completion
+from .launch import Server, VllmServer, completion, random_prompt
 from .tiny_model import build
 
 _BLOCK = 32
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 class _Proxy(Server):
@@ -191,7 +186,7 @@ def run_conductor_benchmark(
         for s in engines:
             s.wait_ready()
         for s in engines:  # an engine's first request is seconds slower
-            completion(s.url, _prompt(1, 32), 1)
+            completion(s.url, random_prompt(1, 32), 1)
         common = [a for p in prefill for a in ("--prefill", p.url)] + ["--decode", decode.url]
         rr = _Proxy(logs, [*common, "--policy", "round-robin"])
         events = [f"--kv-events={p.url}={ep}" for p, ep in zip(prefill, sockets, strict=True)]
@@ -205,12 +200,12 @@ def run_conductor_benchmark(
         seed = 1000
         for _ in range(rounds):
             for name, proxy in (("round-robin", rr), ("local-cache", ca)):
-                prefixes = [_prompt(seed + d, prefix_tokens) for d in range(docs)]
+                prefixes = [random_prompt(seed + d, prefix_tokens) for d in range(docs)]
                 seed += docs
                 before = [_hits(e) for e in prefill]
                 for q in range(questions):
                     for d in range(docs):
-                        suffix = _prompt(seed * 7919 + q * 31 + d, suffix_tokens)
+                        suffix = random_prompt(seed * 7919 + q * 31 + d, suffix_tokens)
                         ttfts[name].append(_ttft(proxy.url, [*prefixes[d], *suffix], max_tokens))
                         done += 1
                         if progress is not None:

@@ -13,6 +13,7 @@ import abc
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -202,6 +203,22 @@ class ProxyServer(Server):
         for u in self.decode:
             cmd += ["--decode", u]
         return cmd + self.extra
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids drawn from ``seed`` (the tests' and benchmarks' prompts: reproducible)."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1024) for _ in range(n)]
+
+
+def pd_kv_config(role: str, **extra: Any) -> dict[str, Any]:
+    """``--kv-transfer-config`` of our PD connector in ``role``, recomputing failed loads."""
+    return {
+        "kv_connector": "MooncakeConnectorsPD",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import statistics
 import subprocess
 import tempfile
@@ -38,15 +37,11 @@ from .launch import (
     completion,
     free_port,
     post_stream,
+    random_prompt,
     token_ids,
 )
 
 HITS = "vllm:external_prefix_cache_hits_total"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
@@ -236,7 +231,7 @@ def run_store_benchmark(
             for e in engines:
                 e.wait_ready()
             for w in range(3):  # warm both engines and their store connections
-                p = _prompt(10_000 + w, 600)
+                p = random_prompt(10_000 + w, 600)
                 completion(a.url, p, 2)
                 time.sleep(settle)
                 _stream(b.url, p, 2)
@@ -244,7 +239,7 @@ def run_store_benchmark(
             for length in lengths:
                 ttft, hit, same = [], [], []
                 for r in range(rounds):
-                    prompt = _prompt(length * 100 + r, length)
+                    prompt = random_prompt(length * 100 + r, length)
                     reference = token_ids(completion(a.url, prompt, max_tokens))
                     time.sleep(settle)  # the save runs after A's request finished
                     before = b.metric(HITS)
@@ -255,7 +250,7 @@ def run_store_benchmark(
                     done += 1
                     if progress:
                         progress(done, total)
-                miss_ms, _ = _stream(b.url, _prompt(length * 100 + 99, length), max_tokens)
+                miss_ms, _ = _stream(b.url, random_prompt(length * 100 + 99, length), max_tokens)
                 done += 1
                 per_len[str(length)] = {
                     "ttft_ms": round(statistics.median(ttft), 1),
