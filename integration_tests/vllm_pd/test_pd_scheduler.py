@@ -109,15 +109,21 @@ def request(rid: str, prompt: list[int], max_tokens: int, params: Any = None) ->
 
 
 def step(
-    s: Scheduler, sampled: dict[str, int] | None = None, kv: KVConnectorOutput | None = None
+    s: Scheduler,
+    sampled: dict[str, int] | None = None,
+    kv: KVConnectorOutput | None = None,
+    partial: bool = False,
 ) -> tuple[SchedulerOutput, dict[str, Any]]:
-    """One scheduler step; ``sampled`` gives the token each running request produces."""
+    """One scheduler step; ``sampled`` gives the token each running request produces.
+    ``partial``: every scheduled request is in the runner's output, those without a token too
+    (a chunk of a prompt that is not complete samples nothing)."""
     out = s.schedule()
-    ids = [r for r in out.num_scheduled_tokens if (sampled or {}).get(r) is not None]
+    sampled = sampled or {}
+    ids = [r for r in out.num_scheduled_tokens if partial or sampled.get(r) is not None]
     mro = ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[(sampled or {})[r]] for r in ids],
+        sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
         kv_connector_output=kv,
     )
     finished = {}
@@ -353,23 +359,6 @@ def push_params(push_id: str = "push-1", **over: Any) -> dict[str, Any]:
     return p
 
 
-def chunk_step(s: Scheduler, last: bool) -> tuple[SchedulerOutput, dict[str, Any]]:
-    """One step of a chunked prefill: a token is sampled only once the prompt is done."""
-    out = s.schedule()
-    ids = list(out.num_scheduled_tokens)
-    mro = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[5] if last else [] for _ in ids],
-    )
-    finished = {}
-    for eco in s.update_from_output(out, mro).values():
-        for o in eco.outputs:
-            if o.finish_reason is not None:
-                finished[o.request_id] = o.kv_transfer_params
-    return out, finished
-
-
 def test_prefill_tells_its_worker_which_blocks_each_chunk_completes(tiny_model: Path) -> None:
     s = make_scheduler(tiny_model, "kv_producer", {"kv_lease": 60}, batch=48)
     idle = free_blocks(s)
@@ -377,7 +366,7 @@ def test_prefill_tells_its_worker_which_blocks_each_chunk_completes(tiny_model: 
     steps: list[PushSendStep] = []
     finished: dict[str, Any] = {}
     for i in range(3):  # 48 + 48 + 4 tokens; a token is sampled once the prompt is done
-        out, finished = chunk_step(s, i == 2)
+        out, finished = step(s, {"p-1": 5} if i == 2 else None, partial=True)
         steps += meta(out).push_send
     assert [(st.ready, st.final) for st in steps] == [(3, False), (6, False), (7, True)]
     (allocated,) = s.kv_cache_manager.get_block_ids("p-1")
@@ -393,7 +382,7 @@ def test_prefill_tells_its_worker_which_blocks_each_chunk_completes(tiny_model: 
 def test_prefill_aborted_mid_prompt_ends_its_push(tiny_model: Path) -> None:
     s = make_scheduler(tiny_model, "kv_producer", batch=48)
     s.add_request(request("p-2", PROMPT, 1, {"do_remote_decode": True, "push_id": "y"}))
-    out, _ = chunk_step(s, False)
+    out, _ = step(s, partial=True)
     assert [st.ready for st in meta(out).push_send] == [3]
     s.finish_requests("p-2", RequestStatus.FINISHED_ABORTED)
     out, _ = step(s)
