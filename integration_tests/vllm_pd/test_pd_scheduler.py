@@ -10,6 +10,7 @@ bookkeeping (Done, leases, failed loads) with a real side-channel socket.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -436,87 +437,80 @@ def _kv(fill: bool) -> dict[str, torch.Tensor]:
     }
 
 
-def _workers(model: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PDWorker, PDWorker]:
+@pytest.fixture()
+def workers(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[PDWorker, PDWorker, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """A prefill and a decode worker (accepting pushes) with registered KV: (prefill, decode,
+    prefill's KV, decode's KV)."""
     # vLLM's tensor-parallel group is not set up without a model runner: rank 0.
     import vllm.distributed.parallel_state as ps
 
     monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
-    s = make_scheduler(model, "kv_both")
+    s = make_scheduler(tiny_model, "kv_both")
     cfg = PDConfig.from_extra_config({"accept_push": True, "transfer_timeout": 3})
-    return (
-        PDWorker(cfg, s.vllm_config, "eng-p", NUM_BLOCKS, 2),
-        PDWorker(cfg, s.vllm_config, "eng-d", NUM_BLOCKS, 2),
-    )
+    prefill = PDWorker(cfg, s.vllm_config, "eng-p", NUM_BLOCKS, 2)
+    dec = PDWorker(cfg, s.vllm_config, "eng-d", NUM_BLOCKS, 2)
+    src, dst = _kv(True), _kv(False)
+    try:
+        prefill.register_kv_caches(src)
+        dec.register_kv_caches(dst)
+        yield prefill, dec, src, dst
+    finally:
+        prefill.shutdown()
+        dec.shutdown()
 
 
 @pytest.mark.parametrize("target_first", [True, False])
-def test_push_writes_each_layer_into_the_decode_blocks(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, target_first: bool
-) -> None:
-    prefill, dec = _workers(tiny_model, monkeypatch)
-    src, dst = _kv(True), _kv(False)
-    try:
-        prefill.register_kv_caches(src)
-        dec.register_kv_caches(dst)
-        assert prefill.layout is not None
-        remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
-        recv = PushRecvSpec("d-1", [40, 41, 42], 1, 60, prompt_hash(PROMPT[:60]), remote)
-        send = PushSendStep("p-1", "pid", [5, 6, 7, 8], 4, 60, prompt_hash(PROMPT[:60]), True)
-        step_meta = PDConnectorMetadata(push_send=[send])
+def test_push_writes_each_layer_into_the_decode_blocks(workers: Any, target_first: bool) -> None:
+    prefill, dec, src, dst = workers
+    assert prefill.layout is not None
+    remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
+    recv = PushRecvSpec("d-1", [40, 41, 42], 1, 60, prompt_hash(PROMPT[:60]), remote)
+    send = PushSendStep("p-1", "pid", [5, 6, 7, 8], 4, 60, prompt_hash(PROMPT[:60]), True)
+    step_meta = PDConnectorMetadata(push_send=[send])
 
-        def forward() -> None:
-            for name in src:
-                prefill.save_kv_layer(name, step_meta)
-            prefill.start_load_kv(step_meta)  # after the forward, as vLLM does: no double count
-            prefill.wait_for_save()
+    def forward() -> None:
+        for name in src:
+            prefill.save_kv_layer(name, step_meta)
+        prefill.start_load_kv(step_meta)  # after the forward, as vLLM does: no double count
+        prefill.wait_for_save()
 
-        if target_first:
-            dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
-            wait_until(lambda: prefill._pushes.get("pid") is not None, 5, "the push target")
-            forward()
-        else:  # the prefill computed everything before the decode allocated: caught up
-            forward()
-            dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
-        wait_until(lambda: "d-1" in dec._recv_done, 10, "the push to end")
-        assert dec.get_finished() == (None, {"d-1"}) and dec.take_load_errors() == set()
-        for name in src:  # prefill blocks 6, 7, 8 (from first_block 1) -> decode 40, 41, 42
-            assert torch.equal(dst[name][40:43], src[name][6:9])
-            assert not dst[name][43].any() and not dst[name][39].any()
-        stats = dec.stats.take()
-        assert stats is not None and len(stats.data["pushes"]) == 1
-        assert (sum(stats.data["push_overlapped_bytes"]) > 0) == target_first
-        wait_until(lambda: prefill.get_finished()[0] is None, 1, "")  # no lease started yet
-        prefill.start_load_kv(PDConnectorMetadata(send={"p-1": 30.0}))
-        assert prefill.get_finished() == ({"p-1"}, None)  # pushed: the blocks are freed
-    finally:
-        prefill.shutdown()
-        dec.shutdown()
-
-
-def test_push_for_other_tokens_is_refused_and_the_decode_recomputes(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    prefill, dec = _workers(tiny_model, monkeypatch)
-    src, dst = _kv(True), _kv(False)
-    try:
-        prefill.register_kv_caches(src)
-        dec.register_kv_caches(dst)
-        assert prefill.layout is not None
-        remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
-        recv = PushRecvSpec("d-1", [40, 41], 0, 32, prompt_hash(PROMPT[:32]), remote)
+    if target_first:
         dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
         wait_until(lambda: prefill._pushes.get("pid") is not None, 5, "the push target")
-        other = PushSendStep("p-1", "pid", [5, 6], 2, 32, prompt_hash(PROMPT[1:33]), True)
-        m = PDConnectorMetadata(push_send=[other])
-        for name in src:
-            prefill.save_kv_layer(name, m)
-        prefill.wait_for_save()
-        wait_until(lambda: "d-1" in dec._recv_done, 10, "the refusal")
-        assert dec.take_load_errors() == {40, 41}
-        assert not dst["model.layers.0.self_attn.attn"][40:42].any()  # nothing was written
-    finally:
-        prefill.shutdown()
-        dec.shutdown()
+        forward()
+    else:  # the prefill computed everything before the decode allocated: caught up
+        forward()
+        dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
+    wait_until(lambda: "d-1" in dec._recv_done, 10, "the push to end")
+    assert dec.get_finished() == (None, {"d-1"}) and dec.take_load_errors() == set()
+    for name in src:  # prefill blocks 6, 7, 8 (from first_block 1) -> decode 40, 41, 42
+        assert torch.equal(dst[name][40:43], src[name][6:9])
+        assert not dst[name][43].any() and not dst[name][39].any()
+    stats = dec.stats.take()
+    assert stats is not None and len(stats.data["pushes"]) == 1
+    assert (sum(stats.data["push_overlapped_bytes"]) > 0) == target_first
+    # Pushed: the prefill frees the blocks as soon as vLLM hands them over (no Done needed).
+    prefill.start_load_kv(PDConnectorMetadata(send={"p-1": 30.0}))
+    wait_until(lambda: prefill.get_finished()[0] == {"p-1"}, 5, "the blocks to be freed")
+
+
+def test_push_for_other_tokens_is_refused_and_the_decode_recomputes(workers: Any) -> None:
+    prefill, dec, src, dst = workers
+    assert prefill.layout is not None
+    remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
+    recv = PushRecvSpec("d-1", [40, 41], 0, 32, prompt_hash(PROMPT[:32]), remote)
+    dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
+    wait_until(lambda: prefill._pushes.get("pid") is not None, 5, "the push target")
+    other = PushSendStep("p-1", "pid", [5, 6], 2, 32, prompt_hash(PROMPT[1:33]), True)
+    m = PDConnectorMetadata(push_send=[other])
+    for name in src:
+        prefill.save_kv_layer(name, m)
+    prefill.wait_for_save()
+    wait_until(lambda: "d-1" in dec._recv_done, 10, "the refusal")
+    assert dec.take_load_errors() == {40, 41}
+    assert not dst["model.layers.0.self_attn.attn"][40:42].any()  # nothing was written
 
 
 def test_decode_gives_up_on_a_push_that_never_comes(
