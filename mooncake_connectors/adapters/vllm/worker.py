@@ -29,8 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, MooncakeConnectorsError, TransferError
-from ...transfer_core import TransferEngine
-from ...transfer_core.engine import Batch
+from ...transfer_core import Batch, TransferEngine
 from ...types import Access, TransferOp, TransferStatus
 from .config import PDConfig
 from .layout import (
@@ -73,7 +72,6 @@ class _Push:
     prompt_hash: str = ""
     ready: int = 0  # blocks complete in every layer after the steps done so far
     final: bool = False
-    aborted: bool = False
     target: PushTarget | None = None
     error: str | None = None
     sent: dict[str, int] = dataclasses.field(default_factory=dict)  # layer -> blocks written
@@ -122,8 +120,8 @@ class PDWorker:
         self._pushes: dict[str, _Push] = {}  # prefill side, by push id
         self._step: list[tuple[_Push, PushSendStep]] = []  # pushes in the running forward
         self._step_meta: PDConnectorMetadata | None = None  # whose push progress _step holds
-        # decode side: push id -> (spec, give up at (monotonic), sent at (perf_counter))
-        self._push_wait: dict[str, tuple[PushRecvSpec, float, float]] = {}
+        # decode side: push id -> (spec, when to give up (monotonic))
+        self._push_wait: dict[str, tuple[PushRecvSpec, float]] = {}
 
     # -- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -273,7 +271,7 @@ class PDWorker:
                 self._step.append((p, step))
                 return
             # Ended before its prompt was computed: nothing more comes; end the push now.
-            p.aborted = p.final = True
+            p.final = True
             p.error = p.error or "the prefill request ended before its prompt was computed"
             if p.finishing:
                 return
@@ -293,17 +291,19 @@ class PDWorker:
         error = None
         if msg.engine_id != self.engine_id:
             error = f"push meant for engine {msg.engine_id} reached {self.engine_id}"
-        elif msg.block_ids:
-            try:
-                assert self.layout is not None
-                if (msg.target.tp_size, msg.target.tp_rank) != (self.tp_size, self.tp_rank):
-                    raise ConfigError(
-                        f"push needs equal TP ranks (prefill {self.tp_rank}/{self.tp_size}, "
-                        f"decode {msg.target.tp_rank}/{msg.target.tp_size})"
-                    )
-                check_compatible(msg.target, self.layout)
-            except (ConfigError, AssertionError) as exc:
-                error = str(exc)
+        elif msg.block_ids and self.layout is None:
+            error = "KV caches not registered yet"
+        elif msg.block_ids and self.layout is not None:
+            if (msg.target.tp_size, msg.target.tp_rank) != (self.tp_size, self.tp_rank):
+                error = (
+                    f"push needs equal TP ranks (prefill {self.tp_rank}/{self.tp_size}, "
+                    f"decode {msg.target.tp_rank}/{msg.target.tp_size})"
+                )
+            else:
+                try:
+                    check_compatible(msg.target, self.layout)
+                except ConfigError as exc:
+                    error = str(exc)
         finish = False
         with self._lock:
             p = self._pushes.get(msg.push_id)
@@ -433,7 +433,7 @@ class PDWorker:
             stale = [k for k, p in self._pushes.items() if p.created < horizon and not p.finishing]
             for k in stale:
                 del self._pushes[k]
-            late = [k for k, (_, until, _) in self._push_wait.items() if until <= now]
+            late = [k for k, (_, until) in self._push_wait.items() if until <= now]
         for k in late:
             self._push_failed(k, "no push arrived by the deadline")
 
@@ -444,7 +444,6 @@ class PDWorker:
                 self._push_wait[spec.remote.push_id] = (
                     spec,
                     time.monotonic() + self.config.transfer_timeout + _PUSH_GRACE,
-                    time.perf_counter(),
                 )
         self._pool.submit(self._send_target, spec)
 
