@@ -268,11 +268,8 @@ class StoreClient:
         return reply.items
 
     def get(self, key: str) -> bytes | None:
-        """The value, or None on a miss."""
-        out = self.get_batch([key])[0]
-        if isinstance(out, MooncakeConnectorsError):
-            raise out
-        return out
+        """The value, or None on a miss (an unreadable key also reads as a miss)."""
+        return self.get_batch([key])[0]
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values in order; None for a miss (an unreadable key also reads as a miss)."""
