@@ -56,7 +56,7 @@ def kv_config(master: str, load_async: bool) -> dict[str, Any]:
             "master": master,
             "timeout": TIMEOUT,
             "lookup_timeout": 1.0,
-            "reconnect_interval": 2.0,
+            "cooldown": 2.0,
             "load_async": load_async,
         },
     }

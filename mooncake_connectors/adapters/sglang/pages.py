@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from ...errors import MasterUnavailable, MooncakeConnectorsError, ObjectExists
@@ -165,42 +166,73 @@ class PageStore:
         """Store every object under its key; per key True if it is in the store now (stored,
         or already there)."""
         out = [False] * len(keys)
+
+        def put(client: StoreClient) -> None:
+            try:
+                self._move(client, objects, out, partial(self._put_from, client, keys))
+            finally:  # counted when the store was called, whatever it answered
+                stored = sum(out)
+                self.counters.objects_put += stored
+                self.counters.objects_put_failed += len(out) - stored
+
         if keys:
-            self._call("put", lambda client: self._put(client, keys, objects, out))
+            self._call("put", put)
         return out
 
-    def _put(
+    def get(self, keys: Sequence[str], objects: Sequence[Sequence[Piece]]) -> list[bool]:
+        """Read every object into its pieces; per key True only if all its bytes arrived."""
+        out = [False] * len(keys)
+
+        def get(client: StoreClient) -> None:
+            try:
+                self._move(client, objects, out, partial(self._get_into, client, keys), True)
+            finally:
+                hits = sum(out)
+                self.counters.objects_read += hits
+                self.counters.objects_missed += len(out) - hits
+
+        if keys:
+            self._call("get", get)
+        return out
+
+    def _move(
         self,
         client: StoreClient,
-        keys: Sequence[str],
         objects: Sequence[Sequence[Piece]],
         out: list[bool],
+        transfer: Callable[[list[int], list[int], list[int]], list[bool]],
+        into: bool = False,
     ) -> None:
+        """``transfer(indices, addresses, sizes)`` for every object, setting ``out`` as they
+        succeed: one-piece objects from their own (registered) memory, the others through staging —
+        gathered there before a put, scattered from there after a get (``into``)."""
         sizes = [sum(n for _, n in obj) for obj in objects]
         deadline = time.monotonic() + self.cfg.timeout
         single = [i for i, obj in enumerate(objects) if len(obj) == 1]
         multi = [i for i, obj in enumerate(objects) if len(obj) != 1]
-        try:
-            if single:
-                self._put_from(client, keys, single, [objects[i][0][0] for i in single], sizes, out)
-            for chunk in self._chunks(multi, sizes):
-                if time.monotonic() >= deadline:
-                    break
-                with self._stage_lock:
-                    if len(chunk) == 1 and sizes[chunk[0]] > self.cfg.staging_size:
-                        _keep, base = self._temp(sizes[chunk[0]])
-                    else:
-                        base = self._staging_addr(client)
-                    addrs = []
-                    for i in chunk:
+        if single:
+            got = transfer(single, [objects[i][0][0] for i in single], sizes)
+            for i, ok in zip(single, got, strict=True):
+                out[i] = ok
+        for chunk in self._chunks(multi, sizes):
+            if time.monotonic() >= deadline:
+                break
+            with self._stage_lock:
+                if len(chunk) == 1 and sizes[chunk[0]] > self.cfg.staging_size:
+                    _keep, base = self._temp(sizes[chunk[0]])
+                else:
+                    base = self._staging_addr(client)
+                addrs = []
+                for i in chunk:
+                    if not into:
                         self._gather(base, objects[i])
-                        addrs.append(base)
-                        base += sizes[i]
-                    self._put_from(client, keys, chunk, addrs, sizes, out)
-        finally:  # what was stored before a failure counts
-            stored = sum(out)
-            self.counters.objects_put += stored
-            self.counters.objects_put_failed += len(out) - stored
+                    addrs.append(base)
+                    base += sizes[i]
+                got = transfer(chunk, addrs, sizes)
+                for i, addr, ok in zip(chunk, addrs, got, strict=True):
+                    if ok and into:
+                        self._scatter(addr, objects[i])
+                    out[i] = ok
 
     def _put_from(
         self,
@@ -209,63 +241,17 @@ class PageStore:
         idx: list[int],
         addrs: list[int],
         sizes: list[int],
-        out: list[bool],
-    ) -> None:
+    ) -> list[bool]:
         errs = client.batch_put_from(
             [keys[i] for i in idx], addrs, [sizes[i] for i in idx], replicas=self.cfg.replicas
         )
-        for i, err in zip(idx, errs, strict=True):
+        out = []
+        for err in errs:
             # Another rank or server stored the same page first: that is a success.
-            out[i] = err is None or isinstance(err, ObjectExists)
-            if not out[i]:
+            out.append(err is None or isinstance(err, ObjectExists))
+            if not out[-1]:
                 self.log.warn("put", "store put failed, page not saved: %s", err)
-
-    def get(self, keys: Sequence[str], objects: Sequence[Sequence[Piece]]) -> list[bool]:
-        """Read every object into its pieces; per key True only if all its bytes arrived."""
-        out = [False] * len(keys)
-        if keys:
-            self._call("get", lambda client: self._get(client, keys, objects, out))
         return out
-
-    def _get(
-        self,
-        client: StoreClient,
-        keys: Sequence[str],
-        objects: Sequence[Sequence[Piece]],
-        out: list[bool],
-    ) -> None:
-        sizes = [sum(n for _, n in obj) for obj in objects]
-        deadline = time.monotonic() + self.cfg.timeout
-        single = [i for i, obj in enumerate(objects) if len(obj) == 1]
-        multi = [i for i, obj in enumerate(objects) if len(obj) != 1]
-        try:
-            if single:
-                got = self._get_into(
-                    client, keys, single, [objects[i][0][0] for i in single], sizes
-                )
-                for i, ok in zip(single, got, strict=True):
-                    out[i] = ok
-            for chunk in self._chunks(multi, sizes):
-                if time.monotonic() >= deadline:
-                    break
-                with self._stage_lock:
-                    if len(chunk) == 1 and sizes[chunk[0]] > self.cfg.staging_size:
-                        _keep, base = self._temp(sizes[chunk[0]])
-                    else:
-                        base = self._staging_addr(client)
-                    addrs = []
-                    for i in chunk:
-                        addrs.append(base)
-                        base += sizes[i]
-                    got = self._get_into(client, keys, chunk, addrs, sizes)
-                    for i, addr, ok in zip(chunk, addrs, got, strict=True):
-                        if ok:
-                            self._scatter(addr, objects[i])
-                        out[i] = ok
-        finally:
-            hits = sum(out)
-            self.counters.objects_read += hits
-            self.counters.objects_missed += len(out) - hits
 
     def _get_into(
         self,
