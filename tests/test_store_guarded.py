@@ -210,7 +210,7 @@ def test_ended_runs_once_whatever_happens_to_the_call(master: str, guards: Any) 
     assert sorted(ended) == ["done", "first", "queued"]
     # closed: nothing is submitted, ended() still runs
     assert asyncio.run(g.run("put", stats, ended=lambda: ended.append("late"))) is FAILED
-    assert ended[-1] == "late" and g.closed and g.ready() is None
+    assert ended[-1] == "late" and g.down() and g.ready() is None
 
 
 def test_a_failing_on_connect_is_a_failed_attempt_and_retried(master: str, guards: Any) -> None:

@@ -11,12 +11,9 @@ for one :class:`StoreClient`:
   without touching it, then the next call probes it; a per-key failure (one key unreadable, no
   room) does not;
 - failures are logged at most once per ``log_interval`` per kind, with a count of the rest;
-- :meth:`GuardedStore.call` runs one call on the caller's thread and returns its result or
-  :data:`FAILED`; :meth:`GuardedStore.run` and :meth:`GuardedStore.run_sync` do the same on the
-  store's own worker threads, with a deadline, for a host (LMCache's event loop) that must not
-  block at all.
-
-Nothing here imports an engine; every adapter of this package uses it.
+- :meth:`GuardedStore.call` runs one call on the caller's thread: its result, or :data:`FAILED`;
+  :meth:`~GuardedStore.run` and :meth:`~GuardedStore.run_sync` do the same on worker threads with
+  a deadline, for a host (LMCache's event loop) that must not block at all.
 """
 
 from __future__ import annotations
@@ -50,6 +47,10 @@ STORE_DOWN: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
 )
+
+
+# A failed store call, never a bug, whichever ``down_errors`` a host picks.
+_ALWAYS: tuple[type[BaseException], ...] = (MooncakeConnectorsError, OSError)
 
 
 class Failed(enum.Enum):
@@ -155,19 +156,9 @@ class GuardedStore:
         self.name = name
         self.on_connect = on_connect
         self.down_errors = down_errors
-        self._store_errors: tuple[type[BaseException], ...] = (
-            *down_errors,
-            MooncakeConnectorsError,
-            OSError,
-        )
+        self._store_errors: tuple[type[BaseException], ...] = (*down_errors, *_ALWAYS)
         self.log = RateLimitedLog(log, log_interval)
-        self.counters: dict[str, int] = {
-            "calls": 0,
-            "failed": 0,
-            "skipped": 0,
-            "timeouts": 0,
-            "connects": 0,
-        }
+        self.counters = dict.fromkeys(("calls", "failed", "skipped", "timeouts", "connects"), 0)
         self._client: StoreClient | None = None
         self._down_until = 0.0
         self._closed = False
@@ -179,8 +170,9 @@ class GuardedStore:
             if workers
             else None
         )
-        self._thread = threading.Thread(target=self._connect_loop, name=f"{name}-connect")
-        self._thread.daemon = True
+        self._thread = threading.Thread(
+            target=self._connect_loop, name=f"{name}-connect", daemon=True
+        )
         self._thread.start()
 
     # -- connecting -------------------------------------------------------------------------
@@ -219,10 +211,6 @@ class GuardedStore:
     @property
     def connected(self) -> bool:
         return self._client is not None
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def wait_connected(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until connected; whether it is."""
@@ -266,8 +254,7 @@ class GuardedStore:
         return None if self.down() else self._client
 
     def client(self) -> StoreClient:
-        """The client even during a cool-down (waiting for a connect under way), for tools that
-        call the store directly; MasterUnavailable when there is none."""
+        """The client even during a cool-down, for tools; MasterUnavailable when there is none."""
         self.settle(self.config.timeout)
         client = self._client
         if client is None:
@@ -284,7 +271,7 @@ class GuardedStore:
         except self.down_errors as exc:
             self.trip(op, exc)
             raise
-        except (MooncakeConnectorsError, OSError) as exc:
+        except _ALWAYS as exc:
             self.log.warn(op, "%s: %s failed: %s", self.name, op, exc)
             raise
 
