@@ -18,13 +18,14 @@ import pytest
 from helpers import free_port, http_ok, pattern, wait_until
 from store_cluster import FAST, Proc, client, start_master, start_server, wait_servers
 
-from mooncake_connectors.config import STORE_TOKEN_ENV, EngineConfig
+from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import AuthenticationError, SegmentNotFound
 from mooncake_connectors.transfer_core import TransferEngine
 from mooncake_connectors.transfer_core.metadata.base import SEGMENT_PREFIX
 from mooncake_connectors.transfer_core.metadata.http import HttpClient
 
 TOKEN = "s3cret-store-token"
+STORE_TOKEN_ENV = "MOONCAKE_CONNECTORS_STORE_TOKEN"  # as the CLI reads it
 HOSTILE = [sys.executable, str(Path(__file__).parents[1] / "tests" / "hostile_process.py")]
 
 
