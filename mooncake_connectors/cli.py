@@ -380,7 +380,8 @@ def master(
         str | None,
         typer.Option(
             envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
-            help="Shared secret every control connection must prove (>= 8 characters).",
+            help="Shared secret every control connection must prove; off 127.0.0.1 it also "
+            "guards /metrics and /health (>= 8 characters).",
         ),
     ] = None,
     verbose: Verbose = 0,
@@ -434,7 +435,7 @@ def store_server(
         str | None,
         typer.Option(
             envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
-            help="Shared secret every control connection must prove (>= 8 characters).",
+            help="Shared secret every control and data connection must prove (>= 8 characters).",
         ),
     ] = None,
     verbose: Verbose = 0,
