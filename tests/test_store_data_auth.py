@@ -120,3 +120,22 @@ def test_a_p2p_endpoint_without_a_token_refuses_writes_too() -> None:
         assert p.get(SEGMENT_PREFIX + p.address) == b"mine"
     finally:
         p.close()
+
+
+def test_shm_is_outside_the_token(store: tuple[StoreServer, StoreClient]) -> None:
+    """The documented boundary, pinned: a same-user process without the token reads a server's
+    memfd-backed memory over shm. Protecting shm would need this test and the docs to change."""
+    s, _ = store
+    assert s.engine is not None and s.buffer is not None
+    ns = "same-user"
+    MemoryMetadata(ns).publish_segment(s.engine.metadata.lookup_segment(s.segment))  # type: ignore[union-attr]
+    e = TransferEngine(
+        EngineConfig(metadata=f"memory://{ns}", transports=("shm",), timeout=5)
+    ).start()
+    dst = np.zeros(MEMORY, dtype=np.uint8)
+    e.register(dst)
+    try:
+        e.read(s.segment, dst.ctypes.data, s.buffer.addr, MEMORY)
+        assert VALUE[:4096] in dst.tobytes()
+    finally:
+        e.close()
