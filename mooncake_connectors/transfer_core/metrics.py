@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import socket
 import threading
 from typing import Any
 
@@ -86,7 +87,10 @@ def serve(host: str, port: int, token: str | None = None) -> None:
                 self.end_headers()
                 self.wfile.write(body)
 
-        srv = http.server.ThreadingHTTPServer((host, port), Handler)
-        srv.daemon_threads = True
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        srv = Server((host, port), Handler)
         threading.Thread(target=srv.serve_forever, name="mc-metrics-http", daemon=True).start()
         _served.add((host, port))
