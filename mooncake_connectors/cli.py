@@ -108,13 +108,23 @@ def metadata_server(
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
     path: Annotated[str, typer.Option(help="URL path of the endpoint.")] = "/metadata",
+    auth_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar=["MOONCAKE_CONNECTORS_TOKEN", "MOONCAKE_CONNECTORS_STORE_TOKEN"],
+            help="Shared secret every request must carry as 'Authorization: Bearer' (the "
+            "engines' or the store's token, >= 8 characters).",
+        ),
+    ] = None,
     verbose: Verbose = 0,
 ) -> None:
     """Run the embedded HTTP metadata server (the single-machine default) in the foreground."""
     _setup_logging(max(verbose, 1))
     from .transfer_core.metadata.http import MetadataHTTPServer
 
-    server = MetadataHTTPServer(host, port, path=path)
+    if auth_token is not None and len(auth_token) < 8:
+        raise typer.BadParameter("must be at least 8 characters", param_hint="--auth-token")
+    server = MetadataHTTPServer(host, port, path=path, token=auth_token)
     server.start()
     logging.getLogger("mooncake_connectors").info("metadata server on %s", server.url)
     try:
@@ -370,7 +380,8 @@ def master(
         str | None,
         typer.Option(
             envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
-            help="Shared secret every control connection must prove (>= 8 characters).",
+            help="Shared secret every control connection must prove; off 127.0.0.1 it also "
+            "guards /metrics and /health (>= 8 characters).",
         ),
     ] = None,
     verbose: Verbose = 0,
@@ -424,7 +435,7 @@ def store_server(
         str | None,
         typer.Option(
             envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
-            help="Shared secret every control connection must prove (>= 8 characters).",
+            help="Shared secret every control and data connection must prove (>= 8 characters).",
         ),
     ] = None,
     verbose: Verbose = 0,

@@ -128,6 +128,7 @@ class MooncakeDistributedStore:
         if self._client is not None:
             return self._fail("setup", RuntimeError("already set up"))
         try:
+            from .config import store_token_from_env
             from .store.client import StoreClient
             from .store.config import ClientConfig
 
@@ -141,6 +142,8 @@ class MooncakeDistributedStore:
                 global_segment_size=int(conf.get("global_segment_size", 16 << 20)),
                 local_buffer_size=max(4096, int(conf.get("local_buffer_size", 16 << 20))),
                 metadata=_metadata(str(conf.get("metadata_server") or "")),
+                # Mooncake's setup() has no token argument: the environment carries it.
+                auth_token=str(conf.get("auth_token") or store_token_from_env() or "") or None,
             )
             self._client = StoreClient(cfg).start()
         except (MooncakeConnectorsError, ValueError, OSError, TypeError) as exc:

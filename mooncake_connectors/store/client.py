@@ -111,6 +111,7 @@ class StoreClient:
             metadata=cfg.metadata or hello.metadata,
             transports=cfg.transports,
             timeout=cfg.timeout,
+            auth_token=cfg.auth_token,
         )
         self.engine = TransferEngine(ecfg).start()
         try:

@@ -6,12 +6,14 @@ Endpoint (``PATH`` defaults to ``/metadata``, as Mooncake's own HTTP metadata se
     DELETE PATH?key=K      200 | 404
     GET    PATH?prefix=P   200 msgpack {key: value}
     GET    /health         200 "ok"
-With a token configured every request needs ``Authorization: Bearer TOKEN`` (else 401).
+With a token configured every request needs ``Authorization: Bearer TOKEN`` (else 401), except
+``/health`` on the default loopback binds (see ``config.info_needs_token``). A read-only server
+(the one the ``p2p`` backend embeds: only its own process writes) answers PUT and DELETE with 405.
+The token travels in clear text: it keeps out those who cannot see the traffic, nothing more.
 """
 
 from __future__ import annotations
 
-import hmac
 import http.client
 import http.server
 import logging
@@ -20,7 +22,7 @@ import urllib.parse
 
 import msgspec
 
-from ...config import EngineConfig
+from ...config import EngineConfig, bearer_ok, info_needs_token, is_loopback
 from ...errors import ConfigError, MetadataError
 from ...plugins import hookimpl
 from .base import MetadataBackend
@@ -48,15 +50,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _route(self) -> tuple[str, dict[str, str]] | None:
         url = urllib.parse.urlsplit(self.path)
+        token = self.server.token
+        public = url.path == "/health" and not info_needs_token(self.server.host, token)
+        if token and not public and not bearer_ok(self.headers.get("Authorization"), token):
+            self._reply(401, b"missing or wrong token", "text/plain")
+            return None
         if url.path == "/health":
             self._reply(200, b"ok", "text/plain")
             return None
-        token = self.server.token
-        if token:
-            got = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                self._reply(401, b"missing or wrong token", "text/plain")
-                return None
         if url.path.rstrip("/") != self.server.path:
             self._reply(404, b"unknown path", "text/plain")
             return None
@@ -84,9 +85,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(400, b"give ?key= or ?prefix=", "text/plain")
 
+    def _writable(self) -> bool:
+        if not self.server.writable:
+            self._reply(405, b"this endpoint is read-only", "text/plain")
+            self.close_connection = True  # an unread PUT body must not be taken for a request
+        return self.server.writable
+
     def do_PUT(self) -> None:
         r = self._route()
-        if r is None:
+        if r is None or not self._writable():
             return
         _, q = r
         try:
@@ -111,7 +118,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         r = self._route()
-        if r is None:
+        if r is None or not self._writable():
             return
         _, q = r
         with self.server.lock:
@@ -123,10 +130,14 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], path: str, token: str | None) -> None:
+    def __init__(
+        self, addr: tuple[str, int], path: str, token: str | None, writable: bool = True
+    ) -> None:
         super().__init__(addr, _Handler)
+        self.host = addr[0]
         self.path = path.rstrip("/") or "/"
         self.token = token
+        self.writable = writable
         self.store: dict[str, bytes] = {}
         self.lock = threading.Lock()
 
@@ -141,10 +152,17 @@ class MetadataHTTPServer:
         *,
         path: str = "/metadata",
         token: str | None = None,
+        writable: bool = True,
     ) -> None:
         if not path.startswith("/"):
             raise ConfigError(f"metadata path must start with '/', got {path!r}")
-        self._srv = _Server((host, port), path, token)
+        self._srv = _Server((host, port), path, token, writable)
+        if not token and not is_loopback(host):
+            log.warning(
+                "metadata server bound to %s without a token: anyone who reaches it can read "
+                "and replace segment descriptors",
+                host,
+            )
         self.host = host
         self.port = self._srv.server_address[1]
         self.path = path

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
 import itertools
 import logging
+import os
 import queue
 import socket
 import struct
@@ -75,21 +77,26 @@ def open_connection(ctx: TransportContext, peer: str, addr: str, path: str) -> s
                 peer=peer,
                 path=path,
             )
-        token = cfg.auth_token if flags & wire.FLAG_AUTH else None
-        if flags & wire.FLAG_AUTH and not token:
-            raise AuthenticationError(
-                "peer requires a token and none is configured", peer=peer, path=path
-            )
-        sock.sendall(wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, wire.mac(token, nonce)))
+        token = cfg.auth_token
+        if bool(flags & wire.FLAG_AUTH) != bool(token):
+            # A target that asks for no token cannot prove it holds ours: it may be anyone who
+            # published a descriptor, so nothing is sent to it.
+            why = "requires a token and none is configured" if not token else "asks for no token"
+            raise AuthenticationError(f"peer {why}", peer=peer, path=path)
+        ours = os.urandom(wire.NONCE)
+        proof = wire.initiator_proof(token, nonce, ours)
+        sock.sendall(wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, proof, ours))
         verdict = bytearray(wire.VERDICT.size)
         wire.recv_exact(sock, memoryview(verdict))
-        _, status, _ = wire.VERDICT.unpack(verdict)
+        _, status, _, theirs = wire.VERDICT.unpack(verdict)
         if status == wire.VERDICT_BAD_TOKEN:
             raise AuthenticationError("peer rejected our token", peer=peer, path=path)
         if status != wire.VERDICT_OK:
             raise ProtocolError(
                 f"peer refused the connection (status {status})", peer=peer, path=path
             )
+        if not hmac.compare_digest(theirs, wire.target_proof(token, nonce, ours)):
+            raise AuthenticationError("peer failed to prove the token", peer=peer, path=path)
         sock.settimeout(None)
     except OSError as exc:
         sock.close()

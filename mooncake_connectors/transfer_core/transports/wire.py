@@ -1,9 +1,17 @@
 """Wire format of the tcp transport (also used by tests that send malformed frames).
 
-Connection start (server speaks first):
-    server HELLO  <4sHHI16s  magic b"MCCT", version, flags (bit 0: token required), 0, nonce
-    client AUTH   <4sHH32s   magic b"MCCT", version, 0, HMAC-SHA256(token, nonce) or zeros
-    server VERDICT <4sHH     magic b"MCCT", status (0 ok, 1 bad token, 2 bad version), 0
+Connection start (server speaks first), a mutual HMAC-SHA256 challenge-response:
+    server HELLO   <4sHHI16s   magic b"MCCT", version, flags (bit 0: token required), 0,
+                               target nonce
+    client AUTH    <4sHH32s16s magic b"MCCT", version, 0, initiator proof or zeros,
+                               initiator nonce
+    server VERDICT <4sHH32s    magic b"MCCT", status (0 ok, 1 bad token, 2 bad version), 0,
+                               target proof or zeros
+Both proofs cover both nonces under different labels, so neither side can replay the other's
+answer, and the target answers with its proof only to an initiator that proved the token first.
+An initiator holding a token refuses a target that does not ask for one or whose proof is wrong,
+before any request is sent. HELLO keeps its version-1 layout so that peers of either version
+read each other's version and fail with a clear mismatch.
 Then pipelined requests, answered in order:
     request  <IBBHQQQ  REQ_MAGIC, op, 0, 0, request id, remote address, length [+ payload if WRITE]
     response <IBBHQQ   RESP_MAGIC, status, 0, 0, request id, length [+ payload: READ data, or an
@@ -18,12 +26,12 @@ import socket
 import struct
 
 from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
-from ..descriptor import PROTOCOL_VERSION
 
 MAGIC = b"MCCT"
 HELLO = struct.Struct("<4sHHI16s")
-AUTH = struct.Struct("<4sHH32s")
-VERDICT = struct.Struct("<4sHH")
+AUTH_HEAD = struct.Struct("<4sHH")  # what the target checks before reading the rest of AUTH
+AUTH = struct.Struct("<4sHH32s16s")
+VERDICT = struct.Struct("<4sHH32s")
 REQ = struct.Struct("<IBBHQQQ")
 RESP = struct.Struct("<IBBHQQ")
 REQ_MAGIC = 0x4D435251  # "MCRQ"
@@ -46,13 +54,24 @@ FLAG_AUTH = 1
 MAX_PAYLOAD = 1 << 30  # matches the largest slice_size EngineConfig accepts
 MAX_ERROR_MESSAGE = 4096
 
-VERSION = PROTOCOL_VERSION
+# 1: one-way authentication (initiator only); 2: mutual. Independent of descriptor versions.
+VERSION = 2
+NONCE = 16
 
 
-def mac(token: str | None, nonce: bytes) -> bytes:
+def initiator_proof(token: str | None, target_nonce: bytes, initiator_nonce: bytes) -> bytes:
+    return _proof(token, b"mcct-initiator\0", target_nonce, initiator_nonce)
+
+
+def target_proof(token: str | None, target_nonce: bytes, initiator_nonce: bytes) -> bytes:
+    return _proof(token, b"mcct-target\0", target_nonce, initiator_nonce)
+
+
+def _proof(token: str | None, label: bytes, target_nonce: bytes, initiator_nonce: bytes) -> bytes:
     if not token:
         return bytes(32)
-    return hmac.new(token.encode(), b"mcct-auth" + nonce, hashlib.sha256).digest()
+    msg = label + target_nonce + initiator_nonce
+    return hmac.new(token.encode(), msg, hashlib.sha256).digest()
 
 
 def recv_exact(sock: socket.socket, buf: memoryview) -> None:
