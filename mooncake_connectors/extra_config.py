@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .config import EngineConfig, engine_config_from_env
+from .config import EngineConfig, engine_config_from_env, store_token_from_env
 from .errors import ConfigError
 from .store.config import ClientConfig, parse_size
 
@@ -199,9 +199,11 @@ def client_config(
     local_buffer_size: int,
     global_segment_size: int = 0,
     rpc_timeout: float = 5.0,
+    auth_token: str | None = None,
 ) -> ClientConfig:
     """The store client's settings: every wait inside one call fits in ``timeout``, and a read
-    from one replica leaves time to try another."""
+    from one replica leaves time to try another. ``auth_token``: the store's shared secret
+    (master and data plane); without one, ``MOONCAKE_CONNECTORS_STORE_TOKEN``."""
     return ClientConfig(
         master=master,
         host=host,
@@ -212,6 +214,7 @@ def client_config(
         timeout=timeout,
         rpc_timeout=min(rpc_timeout, timeout),
         replica_timeout=min(1.0, timeout / 2),
+        auth_token=auth_token or store_token_from_env(),
     )
 
 

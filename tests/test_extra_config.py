@@ -133,3 +133,44 @@ def test_client_and_engine_configs_follow_one_rule() -> None:
     )
     assert (e.timeout, e.connect_timeout, e.tcp_lanes) == (3.0, 1.0, 2)
     assert e.auth_token is None  # left out: the environment's or the default
+
+
+def test_each_store_adapter_passes_the_store_token_to_its_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A store started with --auth-token refuses a client without it (control and data plane);
+    # every adapter must be able to carry it, from its own config or the store's variable.
+    from mooncake_connectors.adapters.lmcache import config as lmcache_config
+    from mooncake_connectors.adapters.sglang import config as sglang_config
+    from mooncake_connectors.adapters.vllm.store_config import StoreConnectorConfig
+    from mooncake_connectors.config import STORE_TOKEN_ENV
+
+    monkeypatch.delenv(STORE_TOKEN_ENV, raising=False)
+    token = "s3cret-token"
+    vllm = StoreConnectorConfig.from_extra_config({"auth_token": token})
+    assert vllm.client_config(1.0).auth_token == token
+    assert token not in repr(vllm)
+    lm = lmcache_config.from_extra_config(
+        "mc",
+        {
+            "remote_storage_plugin.mc.master": "127.0.0.1:1",
+            "remote_storage_plugin.mc.auth_token": token,
+        },
+        env={},
+    )
+    assert lm.client_config().auth_token == token
+    sg = sglang_config.from_extra_config({"master": "127.0.0.1:1", "auth_token": token}, env={})
+    assert sg.client_config().auth_token == token
+    # Without a configured token the store's environment variable is the client's token.
+    monkeypatch.setenv(STORE_TOKEN_ENV, "from-the-env-1")
+    assert StoreConnectorConfig().client_config(1.0).auth_token == "from-the-env-1"
+    assert (
+        sglang_config.from_extra_config({"master": "127.0.0.1:1"}, env={})
+        .client_config()
+        .auth_token
+        == "from-the-env-1"
+    )
+    monkeypatch.delenv(STORE_TOKEN_ENV)
+    assert StoreConnectorConfig().client_config(1.0).auth_token is None
+    with pytest.raises(ConfigError, match="auth_token"):
+        StoreConnectorConfig.from_extra_config({"auth_token": 7})

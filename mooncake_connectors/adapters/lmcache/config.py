@@ -84,6 +84,7 @@ class PluginConfig:
     global_segment_size: int = 0
     key_prefix: str = "lmcache/"
     list_limit: int = 100_000
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -119,6 +120,7 @@ class PluginConfig:
             global_segment_size=self.global_segment_size,
             local_buffer_size=self.local_buffer_size,
             timeout=self.timeout,
+            auth_token=self.auth_token,
         )
 
 
@@ -147,6 +149,7 @@ KEYS: dict[str, Key] = {
     "global_segment_size": Key(Kind.SIZE, "memory contributed to the store (default 0)"),
     "key_prefix": Key(Kind.TEXT, "namespace of this plugin's keys (default lmcache/)", empty=True),
     "list_limit": Key(Kind.INT, "how many written keys list() remembers (default 100000)"),
+    "auth_token": Key(Kind.TEXT, "the store's shared secret (default: none)"),
 }
 
 

@@ -109,6 +109,7 @@ class HiCacheStoreConfig:
     model: str | None = None
     allow_clear: bool = True
     log_interval: float = 30.0
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -149,6 +150,7 @@ class HiCacheStoreConfig:
             local_buffer_size=self.local_buffer_size,
             timeout=self.timeout,
             rpc_timeout=self.rpc_timeout,
+            auth_token=self.auth_token,
         )
 
 
@@ -174,6 +176,7 @@ KEYS: dict[str, Key] = {
     "model": Key(Kind.TEXT, "", empty=True),
     "allow_clear": Key(Kind.BOOL, ""),
     "log_interval": _FLOAT,
+    "auth_token": _TEXT,
 }
 SCHEMA = Schema(
     "HiCacheStore",

@@ -51,6 +51,11 @@ STORE_KEYS: dict[str, Key] = {
         "tried again (default 5)",
     ),
     "replicas": Key(Kind.INT, "copies of each saved block (default 1)"),
+    "auth_token": Key(
+        Kind.TEXT,
+        "the store's shared secret (default: MOONCAKE_CONNECTORS_STORE_TOKEN, else none)",
+        nullable=True,
+    ),
     "load_async": Key(
         Kind.BOOL,
         "true: load on a worker thread while vLLM keeps stepping; false: load inside the step "
@@ -80,6 +85,7 @@ class StoreConnectorConfig:
     cooldown: float = 5.0
     replicas: int = 1
     load_async: bool = False
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for key in ("timeout", "lookup_timeout", "cooldown"):
@@ -110,4 +116,5 @@ class StoreConnectorConfig:
             transports=self.transports,
             timeout=timeout,
             local_buffer_size=1 << 20,  # KV moves zero-copy from vLLM's registered blocks
+            auth_token=self.auth_token,
         )
