@@ -315,7 +315,7 @@ def demo(
 
     from rich.console import Console
 
-    from .adapters.vllm.demo import render, run_demo
+    from .bench.demo import render, run_demo
 
     if importlib.util.find_spec("vllm") is None:
         typer.echo("error: the demo needs vLLM here: scripts/bootstrap --vllm", err=True)
@@ -490,7 +490,7 @@ def bench_transfer(
 ) -> None:
     """Target and initiator in two processes on loopback; GB/s per op, size and transport."""
     _setup_logging(verbose)
-    from .transfer_core.bench import run_transfer_benchmark
+    from .bench.transfer import run_transfer_benchmark
 
     with _progress("bench transfer") as advance:
         result = run_transfer_benchmark(
@@ -518,7 +518,7 @@ def bench_moe(
 ) -> None:
     """MoE router: routing µs vs plain indexing, placement ms, balance vs DeepSeek's EPLB."""
     _setup_logging(verbose)
-    from .adapters.moe.bench import run_moe_benchmark
+    from .bench.moe import run_moe_benchmark
 
     _emit(run_moe_benchmark(rounds=rounds, seed=seed, threads=threads), output)
 
@@ -609,7 +609,7 @@ def bench_vllm_pd(
     _setup_logging(verbose)
     from pathlib import Path
 
-    from .adapters.vllm.bench import run_pd_benchmark
+    from .bench.vllm_pd import run_pd_benchmark
 
     with _progress("bench vllm-pd") as advance:
         result = run_pd_benchmark(
@@ -655,7 +655,7 @@ def bench_vllm_store(
     _setup_logging(verbose)
     from pathlib import Path
 
-    from .adapters.vllm.store_bench import run_store_benchmark
+    from .bench.vllm_store import run_store_benchmark
 
     with _progress("bench vllm-store") as advance:
         result = run_store_benchmark(
@@ -694,7 +694,7 @@ def bench_conductor_live(
     _setup_logging(verbose)
     from pathlib import Path
 
-    from .adapters.vllm.bench_conductor import run_conductor_benchmark
+    from .bench.conductor_live import run_conductor_benchmark
 
     with _progress("bench conductor-live") as advance:
         result = run_conductor_benchmark(
@@ -725,7 +725,7 @@ def bench_store(
 ) -> None:
     """Master, data owner and client as separate processes; ours and Mooncake's, interleaved."""
     _setup_logging(verbose)
-    from .store.bench import run_store_benchmark
+    from .bench.store import run_store_benchmark
 
     result = run_store_benchmark(
         rounds=rounds,
@@ -745,7 +745,7 @@ def bench_store_memory(
     batch: Annotated[int, typer.Option(min=1, max=65536, help="Keys per control call.")] = 1000,
 ) -> None:
     """The master's resident memory per key (a real master process, RSS before and after)."""
-    from .store.memory_bench import run_memory_benchmark
+    from .bench.store_memory import run_memory_benchmark
 
     typer.echo(json.dumps(run_memory_benchmark(keys=keys, key_len=key_len, batch=batch), indent=2))
 
@@ -761,8 +761,8 @@ def bench_store_ssd(
     output: Output = None,
 ) -> None:
     """Gets served from the SSD tier (page cache warm and cold) against gets from memory."""
+    from .bench.store_ssd import run_ssd_benchmark
     from .store.config import parse_size
-    from .store.ssd_bench import run_ssd_benchmark
 
     result = run_ssd_benchmark(
         [parse_size(s) for s in sizes.split(",") if s.strip()], parse_size(memory), ops, ssd_dir
@@ -790,7 +790,7 @@ def bench_sglang(
     """HiCache page batches through our SGLang backend and SGLang's Mooncake backend (needs
     SGLang installed)."""
     _setup_logging(verbose)
-    from .adapters.sglang.bench import run_sglang_benchmark
+    from .bench.sglang import run_sglang_benchmark
 
     result = run_sglang_benchmark(
         rounds=rounds,

@@ -109,7 +109,7 @@ class Reader:
                 self.engine.transfer(coalesce(reqs), timeout=timeout)
                 break
             except MooncakeConnectorsError as exc:
-                bad, why = exc.peer, exc
+                bad, why = getattr(exc, "peer", None), exc  # only peer errors name one
             if isinstance(bad, str) and any(s.cands[s.i][0] == bad for s in active):
                 # The error names the copy's segment: move its stripes on, read all again.
                 self._suspect[bad] = time.monotonic() + SUSPECT_TTL

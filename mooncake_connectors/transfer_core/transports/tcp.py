@@ -31,7 +31,7 @@ from ...errors import (
     TransportClosed,
 )
 from ...plugins import hookimpl
-from ...types import TransferOp
+from ...types import LocationKind, TransferOp
 from ..descriptor import RegionDesc, SegmentDesc
 from ..transport import Slice, Transport, TransportContext
 from . import wire
@@ -349,7 +349,7 @@ class TcpTransport(Transport):
         return {"tcp": f"{host}:{self._server.port}"}
 
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
-        return "tcp" in peer.endpoints and region.location.startswith("cpu")
+        return "tcp" in peer.endpoints and region.kind is LocationKind.CPU
 
     def lanes(self, peer: SegmentDesc) -> int:
         return self.ctx.config.tcp_lanes

@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .placement import as_alive, check_positive
 
 log = logging.getLogger(__name__)

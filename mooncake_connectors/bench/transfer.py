@@ -57,7 +57,7 @@ def _target_main(kind: str, size: int, metadata: str) -> None:
     info: dict[str, Any]
     keep: list[Any] = []
     if kind == "ours":
-        from .engine import TransferEngine
+        from ..transfer_core.engine import TransferEngine
 
         eng = TransferEngine(EngineConfig(metadata=metadata)).start()
         buf = eng.allocate_buffer(size)
@@ -125,7 +125,7 @@ class _Target:
         self, kind: str, size: int, metadata: str, env: dict[str, str] | None = None
     ) -> None:
         code = (
-            "import sys; from mooncake_connectors.transfer_core.bench import _target_main;"
+            "import sys; from mooncake_connectors.bench.transfer import _target_main;"
             "_target_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])"
         )
         self.proc = subprocess.Popen(
@@ -183,9 +183,9 @@ def run_transfer_benchmark(
     """Run the benchmark; ``progress(done, total)`` is called after each measured case."""
     import numpy as np
 
-    from .engine import TransferEngine, TransferRequest
-    from .memory import SharedBuffer
-    from .metadata.http import MetadataHTTPServer
+    from ..transfer_core.engine import TransferEngine, TransferRequest
+    from ..transfer_core.memory import SharedBuffer
+    from ..transfer_core.metadata.http import MetadataHTTPServer
 
     size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
     batch_n, batch_sz = 0, 0

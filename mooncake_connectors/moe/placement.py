@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 EMPTY_SLOT = -1
 

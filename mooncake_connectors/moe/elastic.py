@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .placement import EMPTY_SLOT, Placement, as_alive, as_load
 
 _REL_EPS = 1e-9

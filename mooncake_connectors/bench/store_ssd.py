@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench import _free_port, _quiet, _stop, _wait_port
+from .store import _free_port, _quiet, _stop, _wait_port
 
 _CHUNK = 4
 
@@ -58,8 +58,8 @@ def run_ssd_benchmark(
 ) -> dict[str, Any]:
     import numpy as np
 
-    from .client import StoreClient
-    from .config import ClientConfig
+    from ..store.client import StoreClient
+    from ..store.config import ClientConfig
 
     cli = [sys.executable, "-m", "mooncake_connectors"]
     base = Path(ssd_dir) if ssd_dir else Path(tempfile.mkdtemp(prefix="mc-ssd-bench-"))

@@ -6,7 +6,7 @@ standard library's Python sources and a randomly initialised ``LlamaForCausalLM`
 The seed is fixed, so two builds give the same weights. Needs ``transformers`` and ``tokenizers``
 (both come with vLLM).
 
-    python -m mooncake_connectors.adapters.vllm.tiny_model OUT_DIR [LAYERS KV_HEADS]
+    python -m mooncake_connectors.bench.tiny_model OUT_DIR [LAYERS KV_HEADS]
 """
 
 from __future__ import annotations

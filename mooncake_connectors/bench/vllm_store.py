@@ -128,8 +128,8 @@ class _Theirs:
         self.config_path = work / "mooncake-store.json"
 
     def start_store(self) -> None:
-        from ...store.bench import start_mooncake_store
-        from ...store.config import parse_size
+        from ..store.config import parse_size
+        from .store import start_mooncake_store
 
         master, meta = start_mooncake_store(parse_size(self.memory), self.procs)
         self.config_path.write_text(

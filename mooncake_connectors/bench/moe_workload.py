@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .placement import Placement
+from ..moe.placement import Placement
 
 
 def zipf_gate_scores(

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ...store.bench import _free_port, _quiet, _stop, _wait_port, start_mooncake_store
-from ...store.config import parse_size
+from ..store.config import parse_size
+from .store import _free_port, _quiet, _stop, _wait_port, start_mooncake_store
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ GEOMETRIES: dict[str, tuple[str, int, int, int, int]] = {
 
 
 def _pool(geometry: str, layout: str, pages: int) -> Any:
-    from .cpu_pool import make_cpu_host_pool
+    from ..adapters.sglang.cpu_pool import make_cpu_host_pool
 
     kind, layers, heads, dim, page = GEOMETRIES[geometry]
     pool = make_cpu_host_pool(

@@ -28,7 +28,7 @@ import enum
 
 import torch
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .placement import Placement, as_alive, as_load, check_positive
 
 # Odd multiplier close to 2**32 / golden ratio: consecutive ordinals land far apart in the

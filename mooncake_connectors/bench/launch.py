@@ -368,8 +368,8 @@ class StoreServerProcess(Server):
         ]
 
     def wait_ready(self, timeout: float = 60.0) -> Server:
-        from ...errors import MooncakeConnectorsError
-        from ...store import ClientConfig, StoreClient
+        from ..errors import MooncakeConnectorsError
+        from ..store import ClientConfig, StoreClient
 
         end = time.monotonic() + timeout
         key = f"probe-{self.port}"

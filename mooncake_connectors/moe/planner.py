@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .placement import Placement, as_load, check_positive
 
 # Relative tolerance for "this swap improves the heaviest pack": float sums of the same

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from .elastic import plan_elastic
-from .placement import Placement
-from .planner import plan_placement
-from .router import ExpertRouter, RoutingMode
-from .workload import expert_load, no_replication, zipf_gate_scores
+from ..moe.elastic import plan_elastic
+from ..moe.placement import Placement
+from ..moe.planner import plan_placement
+from ..moe.router import ExpertRouter, RoutingMode
+from .moe_workload import expert_load, no_replication, zipf_gate_scores
 
-_REFERENCE = Path(__file__).resolve().parents[3] / "benchmarks" / "eplb_reference.py"
+_REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "eplb_reference.py"
 
 
 def load_reference() -> ModuleType | None:

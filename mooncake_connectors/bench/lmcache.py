@@ -1,6 +1,6 @@
 """LMCache chunk put/get through our plugin versus LMCache's own ``mooncakestore`` connector.
 
-    python -m mooncake_connectors.adapters.lmcache.bench [--chunks 256K,2M,8M] [--batch 8]
+    python -m mooncake_connectors.bench.lmcache [--chunks 256K,2M,8M] [--batch 8]
         [--rounds 5] [--calls 4] [--memory 1G] [--modes zero-copy,metadata]
     [--ours-transports shm,tcp] [-o out.json]
 
@@ -40,9 +40,9 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-from ...store.bench import _free_port, _wait_port, start_mooncake_store
-from ...store.client import StoreClient
-from ...store.config import ClientConfig, parse_size
+from ..store.client import StoreClient
+from ..store.config import ClientConfig, parse_size
+from .store import _free_port, _wait_port, start_mooncake_store
 
 TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128

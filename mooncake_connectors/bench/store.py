@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
-from .config import parse_size
+from ..store.config import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class _Ours(_System):
     name = "ours"
 
     def __init__(self, memory: int) -> None:
-        from .client import StoreClient
-        from .config import ClientConfig
+        from ..store.client import StoreClient
+        from ..store.config import ClientConfig
 
         self.procs = []
         port = _free_port()

@@ -18,9 +18,9 @@ import sys
 import time
 from typing import Any
 
-from .config import MAX_SEGMENT_SIZE
-from .protocol import Err, Get, Heartbeat, Hello, Mount, PutEnd, PutStart
-from .rpc import Channel
+from ..store.config import MAX_SEGMENT_SIZE
+from ..store.protocol import Err, Get, Heartbeat, Hello, Mount, PutEnd, PutStart
+from ..store.rpc import Channel
 
 
 def _rss(pid: int) -> int:
