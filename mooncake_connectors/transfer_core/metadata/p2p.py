@@ -82,7 +82,7 @@ class P2PMetadata(MetadataBackend):
                 f"peer {name} does not answer: {exc.message}", segment=name
             ) from exc
         if status == 401:  # final: asking again with the same token cannot help
-            raise AuthenticationError(f"peer {name} refused our token", segment=name)
+            raise AuthenticationError(f"peer {name} refused our token", peer=name)
         if status == 404:
             raise SegmentNotFound(f"peer {name} publishes no segment of that name", segment=name)
         if status != 200:
