@@ -370,7 +370,7 @@ def test_malformed_transfer_params_are_ignored_and_the_prompt_computed(tiny_mode
     bad_pull = remote_params(PROMPT, remote_tp_size="one")
     bad_push = push_params(remote_side_channels=[])
     s.add_request(request("d-1", PROMPT, 2, bad_pull))
-    s.add_request(request("d-2", PROMPT, 2, bad_push))
+    s.add_request(request("d-2", PROMPT[::-1], 2, bad_push))  # no prefix shared with d-1
     out, _ = step(s, {"d-1": 1, "d-2": 1})
     assert out.num_scheduled_tokens == {"d-1": 100, "d-2": 100}
     assert meta(out).recv == [] and meta(out).push_recv == []
