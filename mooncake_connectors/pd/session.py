@@ -47,6 +47,11 @@ _LOADERS = 4  # concurrent request loads (each is one batch spread over the engi
 
 
 class TransferSession(LayerPush):
+    """One TP rank's transfers. The engine adapter calls :meth:`register` once, then each step
+    :meth:`start_load_kv` with the step's plan and :meth:`get_finished` /
+    :meth:`take_load_errors` for what to report back; layer-wise push adds
+    :meth:`save_kv_layer` and :meth:`wait_for_save` around each forward."""
+
     def __init__(
         self,
         config: SessionSettings,
@@ -139,7 +144,7 @@ class TransferSession(LayerPush):
         )
 
     def _get_layout(self) -> WorkerLayout:
-        if self.layout is None:  # asked before register_kv_caches finished: no answer yet
+        if self.layout is None:  # asked before register() finished: no answer yet
             raise ConfigError("KV caches not registered yet")
         return self.layout
 

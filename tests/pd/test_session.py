@@ -142,10 +142,10 @@ def test_blocks_of_an_unreachable_prefill_become_load_errors_and_the_prefill_is_
         mute.close()
 
 
-def test_a_refused_load_is_reported_without_touching_the_network() -> None:
+def test_a_refused_load_is_reported_without_reading() -> None:
     w, stats = session()
     try:
-        remote = pull_params("tcp://127.0.0.1:9")  # nothing listens; nothing may be asked
+        remote = pull_params("tcp://127.0.0.1:9")  # nothing listens: no layout to ask for
         spec = RecvSpec("d-1", [3], [], remote, error="unexpected allocation")
         expired = msgspec.structs.replace(remote, expires_at=1.0)  # the lease is over
         w.start_load_kv(StepPlan(recv=[spec, RecvSpec("d-2", [4], [20], expired)]))
