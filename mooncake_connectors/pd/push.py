@@ -54,7 +54,8 @@ class _Push:
 
 
 class LayerPush:
-    """The push half of a transfer session (its state below; the rest is the session's)."""
+    """The push half of a transfer session. The attributes annotated here are the session's,
+    shared with the pull half; the push state is set up by :meth:`_init_push`."""
 
     config: SessionSettings
     engine_id: str

@@ -44,20 +44,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _pull(params: dict[str, Any] | None, request_id: str) -> PullParams | None:
-    """The request's pull params; None when they are not ours (it then simply recomputes)."""
+def _pull(params: dict[str, Any] | None, request_id: str, warn: bool) -> PullParams | None:
+    """The request's pull params; None when they are not ours (it then simply recomputes).
+    ``warn``: say why, once per request (its params are read more than once)."""
     try:
         return pdp.decode(params, PullParams)
     except ProtocolError as exc:
-        log.warning("request %s: %s", request_id, exc)
+        if warn:
+            log.warning("request %s: %s; computing the prompt", request_id, exc)
         return None
 
 
-def _push(params: dict[str, Any] | None, request_id: str) -> PushParams | None:
+def _push(params: dict[str, Any] | None, request_id: str, warn: bool) -> PushParams | None:
     try:
         return pdp.decode(params, PushParams)
     except ProtocolError as exc:
-        log.warning("request %s: push parameters not understood: %s", request_id, exc)
+        if warn:
+            log.warning("request %s: %s; computing the prompt", request_id, exc)
         return None
 
 
@@ -110,7 +113,7 @@ class PDScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def _loadable(self, request: Request) -> int:
-        remote = _pull(request.kv_transfer_params, request.request_id)
+        remote = _pull(request.kv_transfer_params, request.request_id, warn=False)
         if remote is None:
             return 0
         return loadable_tokens(
@@ -119,7 +122,7 @@ class PDScheduler:
 
     def _pushable_tokens(self, request: Request) -> int:
         """Prompt tokens a push will deliver (0: this request computes its prompt itself)."""
-        remote = _push(request.kv_transfer_params, request.request_id)
+        remote = _push(request.kv_transfer_params, request.request_id, warn=True)
         prompt = request.prompt_token_ids
         if remote is None:
             return 0
@@ -156,7 +159,7 @@ class PDScheduler:
         pdp.release(params)  # one transfer per request, even if rescheduled
         n = self._matched.pop(rid, 0)
         if pdp.is_push(params):
-            pushed = _push(params, rid)
+            pushed = _push(params, rid, warn=False)
             if pushed is not None:
                 self._push_recv.append(
                     push_recv_spec(
@@ -170,7 +173,7 @@ class PDScheduler:
                     )
                 )
             return
-        remote = _pull(params, rid)
+        remote = _pull(params, rid, warn=True)
         if remote is not None:
             block_ids = _block_ids(blocks, num_external_tokens)
             self._recv.append(
@@ -241,11 +244,11 @@ class PDScheduler:
             # blocks now instead of at the end of their lease.
             pdp.release(params)
             if pdp.is_push(params):
-                pushed = _push(params, rid)
+                pushed = _push(params, rid, warn=False)
                 if pushed is not None:
                     self._push_recv.append(PushRecvSpec(rid, [], 0, 0, "", pushed))
             else:
-                remote = _pull(params, rid)
+                remote = _pull(params, rid, warn=False)
                 if remote is not None:
                     self._recv.append(RecvSpec(rid, [], [], remote))
             return False, None
