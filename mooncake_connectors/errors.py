@@ -13,6 +13,7 @@
     │   ├── TransferTimeout              the request's deadline passed
     │   ├── AccessViolation              remote address outside a registered region or rights
     │   └── NoPathAvailable              no transport can reach that peer for that memory
+    ├── LoadRefused                      a KV load not attempted (its blocks are recomputed)
     └── StoreError                       distributed store failures (see store/)
         ├── NotLeader                    the contacted master is a standby
         ├── MasterUnavailable            no master answered within the deadline
@@ -162,6 +163,10 @@ class AccessViolation(TransferError):
 
 class NoPathAvailable(TransferError):
     """No enabled transport can move data between these two memory locations."""
+
+
+class LoadRefused(MooncakeConnectorsError):
+    """A connector will not attempt a KV load (the reason says why); the engine recomputes it."""
 
 
 class StoreError(MooncakeConnectorsError):

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..pd import params as pdp
 from .launch import VllmServer, completion, free_port, random_prompt, stream_completion, token_ids
 
 _METRICS = re.compile(
@@ -104,7 +105,7 @@ class _Ours:
         self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
     ) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
-        leg = completion(prefill.url, prompt, 1, {"kv_transfer_params": {"do_remote_decode": True}})
+        leg = completion(prefill.url, prompt, 1, _leg())
         return _stream_decode(decode, prompt, max_tokens, leg["kv_transfer_params"], t0)
 
 
@@ -118,7 +119,7 @@ class _OursPush(_Ours):
         self.name = (
             f"mooncake-connectors MooncakeConnectorsPD layer-wise push ({','.join(transports)})"
         )
-        self.engine: dict[str, Any] | None = None
+        self.engine: pdp.PrefillEngine | None = None
 
     def kv(self, role: str) -> dict[str, Any]:
         cfg = super().kv(role)
@@ -131,17 +132,18 @@ class _OursPush(_Ours):
     ) -> tuple[float, list[int]]:
         if self.engine is None:  # learn where the prefill's side channels are (a pull)
             t0 = time.perf_counter()
-            leg = completion(
-                prefill.url, prompt, 1, {"kv_transfer_params": {"do_remote_decode": True}}
-            )
+            leg = completion(prefill.url, prompt, 1, _leg())
             params = leg["kv_transfer_params"]
-            keys = ("remote_engine_id", "remote_side_channels", "remote_tp_size")
-            self.engine = {k: params[k] for k in keys}
+            self.engine = pdp.decode(params, pdp.PrefillEngine)
             return _stream_decode(decode, prompt, max_tokens, params, t0)
         push_id = f"bench-{n}-{time.monotonic_ns()}"
-        leg_params = {"kv_transfer_params": {"do_remote_decode": True, "push_id": push_id}}
-        params = {"do_remote_prefill": True, "push_id": push_id, **self.engine}
-        return _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
+        params = pdp.encode(pdp.PushParams.to(self.engine, push_id))
+        return _both_legs(prefill, decode, prompt, max_tokens, _leg(push_id), params)
+
+
+def _leg(push_id: str | None = None) -> dict[str, Any]:
+    """The extra body of our prefill leg (a push's too, with its id)."""
+    return {"kv_transfer_params": pdp.encode(pdp.PrefillLeg(push_id=push_id))}
 
 
 def _both_legs(

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, MooncakeConnectorsError, ObjectExists
+from ...pd.layout import layer_layouts, register_spans
+from ...pd.messages import LayerLayout
 from ...store.client import StoreClient
 from ...store.guarded import FAILED, GuardedStore
 from ...store.writer import Result
-from .layout import layer_layouts, register_spans
-from .side_channel import LayerLayout
 from .stats import StoreStats
 from .store_config import StoreConnectorConfig
 from .store_keys import BlockKeys

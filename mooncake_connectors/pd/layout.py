@@ -1,7 +1,7 @@
 """KV cache tensors → per-block address arithmetic, and block reads → transfer requests.
 
-Pure functions over shapes and addresses (torch only for reading a tensor's geometry), tested
-without vLLM.
+Pure functions over shapes and addresses: a tensor is only asked for its geometry (``shape``,
+``stride()``, ``element_size()``, ``data_ptr()``), so nothing here imports torch or an engine.
 
 vLLM's CPU backend keeps one tensor per layer shaped ``(num_blocks, num_kv_heads, block_size,
 2 * head_size)`` ("LBHNC": blocks outermost), so one block of one layer is one contiguous byte
@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from ...errors import ConfigError
-from ...transfer_core import TransferRequest
-from ...types import TransferOp
-from .side_channel import LayerLayout, WorkerLayout
+from ..errors import ConfigError
+from ..transfer_core import TransferRequest
+from ..types import TransferOp
+from .messages import LayerLayout, WorkerLayout
 
 
 def _contiguous_tail(shape: Sequence[int], stride: Sequence[int], start: int) -> bool:
