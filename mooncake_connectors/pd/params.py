@@ -136,7 +136,9 @@ def encode(params: Params) -> dict[str, Any]:
 def decode(params: Mapping[str, Any] | None, kind: type[P]) -> P:
     """Validate a kv_transfer_params object as ``kind``; ProtocolError says what is wrong."""
     if not isinstance(params, Mapping):
-        raise ProtocolError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        raise ProtocolError(
+            f"kv_transfer_params ({kind.__name__}) must be an object, got {type(params).__name__}"
+        )
     try:
         return msgspec.convert(dict(params), kind)
     except msgspec.ValidationError as exc:
