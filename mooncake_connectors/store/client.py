@@ -26,14 +26,17 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..errors import (
+    AccessViolation,
     ConfigError,
     MooncakeConnectorsError,
     StoreError,
 )
 from ..transfer_core.engine import TransferEngine
+from ..transfer_core.memory import check_mapped
 from .config import ClientConfig, ServerConfig
 from .link import MasterLink
 from .protocol import (
+    MAX_KEY,
     Bools,
     Code,
     Codes,
@@ -71,6 +74,21 @@ def _bytes_data_offset() -> int:
 
 
 _BYTES_DATA = _bytes_data_offset()
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Refuse (ConfigError, naming the key) a key the master would not take: not a string,
+    empty, longer than ``MAX_KEY`` characters, or not encodable as UTF-8 (a lone surrogate)."""
+    for key in keys:
+        if type(key) is not str or not 0 < len(key) <= MAX_KEY:
+            raise ConfigError(
+                f"keys are strings of 1..{MAX_KEY} characters, got {key!r:.80}", key=key
+            )
+        if not key.isascii():
+            try:
+                key.encode()
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"key {key!r:.80} is not valid UTF-8: {exc.reason}") from None
 
 
 def _as_bytes(value: Any) -> memoryview:
@@ -246,6 +264,7 @@ class StoreClient:
 
     def _put(self, keys: list[str], srcs: list[Source], **opts: Any) -> list[Result]:
         assert self._writer is not None
+        check_keys(keys)
         return self._writer.put(keys, srcs, **opts)
 
     def _stage(self, sizes: Sequence[int]) -> contextlib.AbstractContextManager[list[int]]:
@@ -262,6 +281,7 @@ class StoreClient:
 
     # -- gets -------------------------------------------------------------------------------
     def _lookup(self, keys: list[str], deadline: float) -> list[Loc | None]:
+        check_keys(keys)
         reply = self._master(Get(keys), deadline)
         if not isinstance(reply, Locs):
             raise self._reply_error(reply, keys[0] if keys else "")
@@ -314,7 +334,7 @@ class StoreClient:
         ):
             return None  # memory someone registered and freed: stay out of its way
         try:
-            regions = self.engine.register_many(ranges, owner=values)
+            regions = self.engine.register_many(ranges, owner=values, check=False)  # our bytes
         except MooncakeConnectorsError as exc:
             log.debug("direct get unavailable (%s); staging instead", exc)
             return None
@@ -363,8 +383,20 @@ class StoreClient:
                 )
                 continue
             todo.append((i, loc))
-        # Unregistered destinations are read through staging, then copied.
-        unreg = [k for k, (i, loc) in enumerate(todo) if not self._registered(addrs[i], loc.size)]
+        # Unregistered destinations are read through staging, then copied: memory that is not
+        # writable there is refused rather than copied into (which would crash the process).
+        kept: list[tuple[int, Loc]] = []
+        unreg: list[int] = []  # indices into ``kept``
+        for i, loc in todo:
+            if not self._registered(addrs[i], loc.size):
+                try:
+                    check_mapped(addrs[i], loc.size, write=True)
+                except AccessViolation as exc:
+                    out[i] = exc
+                    continue
+                unreg.append(len(kept))
+            kept.append((i, loc))
+        todo = kept
         with self._stage([todo[k][1].size for k in unreg]) as tmp:
             dests = [addrs[i] for i, _ in todo]
             for k, addr in zip(unreg, tmp, strict=True):
@@ -385,6 +417,7 @@ class StoreClient:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        check_keys(keys)
         reply = self._master(Exists(list(keys)), self._deadline())
         if not isinstance(reply, Bools):
             raise self._reply_error(reply, keys[0] if keys else "")
@@ -393,6 +426,7 @@ class StoreClient:
     def remove(self, key: str, *, force: bool = False) -> bool:
         """True if removed, False if there was no such key. A leased object disappears at once;
         its memory is reused when the lease ends (``force`` frees it now)."""
+        check_keys([key])
         reply = self._master(Remove([key], force), self._deadline())
         if not isinstance(reply, Codes):
             raise self._reply_error(reply, key)

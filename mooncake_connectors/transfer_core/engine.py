@@ -16,9 +16,11 @@ TransferTimeout and its lane is torn down so no late bytes land in memory the ca
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -42,7 +44,7 @@ from ..types import Access, TransferOp, TransferStatus
 from . import metrics
 from .descriptor import RegionDesc, SegmentDesc, host_id
 from .health import PathHealth
-from .memory import LocalSegment, Region, SharedBuffer, buffer_region
+from .memory import LocalSegment, Region, SharedBuffer, buffer_region, check_mapped, mappings
 from .metadata import MetadataBackend, open_metadata, scheme_of
 from .transport import TRANSPORTS, Slice, Transport, TransportContext
 
@@ -61,6 +63,31 @@ class TransferRequest(NamedTuple):
     local_addr: int
     remote_addr: int
     length: int
+
+
+def _with_ops(requests: Sequence[TransferRequest]) -> Sequence[TransferRequest]:
+    """``requests`` with every op a TransferOp (a plain 0/1 becomes READ/WRITE: the data path
+    compares ops by identity); an op that names no operation stays, for ``_plan`` to refuse."""
+    if all(type(r.op) is TransferOp for r in requests):
+        return requests
+    out = list(requests)
+    for i, r in enumerate(out):
+        if type(r.op) is not TransferOp:
+            with contextlib.suppress(ValueError, TypeError):
+                out[i] = r._replace(op=TransferOp(r.op))
+    return out
+
+
+def _check_request(req: TransferRequest) -> None:
+    """Refuse (ConfigError) a request whose fields are not of the types the data path uses."""
+    if not isinstance(req.target, str):
+        raise ConfigError(f"target must be a segment name, got {type(req.target).__name__}")
+    for name in ("local_addr", "remote_addr", "length"):
+        value = getattr(req, name)
+        try:
+            operator.index(value)
+        except TypeError:
+            raise ConfigError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
 class Batch:
@@ -85,7 +112,9 @@ class Batch:
             return
         self._status[i] = status
         self._errors[i] = err
-        metrics.finished(self.requests[i].op.name, status.name, time.perf_counter() - self._t0)
+        op = self.requests[i].op
+        name = op.name if isinstance(op, TransferOp) else "INVALID"  # a request refused as such
+        metrics.finished(name, status.name, time.perf_counter() - self._t0)
         self._pending -= 1
         if self._pending == 0 and self._event is not None:
             self._event.set()
@@ -355,14 +384,21 @@ class TransferEngine:
         location: str = "cpu:0",
         access: Access = Access.READ_WRITE,
         owner: Any = None,
+        check: bool = True,
     ) -> list[Region]:
-        """Register several raw ranges with one descriptor update."""
+        """Register several raw ranges with one descriptor update. Host memory is checked to be
+        mapped (and writable for WRITE access): a bad address is an AccessViolation here, not a
+        crash later; ``check=False`` skips that for memory the caller knows is its own."""
         out = []
+        maps = mappings() if check and location.startswith("cpu") else None
         try:
-            for addr, length in ranges:
-                out.append(
-                    self.local.add(Region(int(addr), int(length), location, access, owner=owner))
-                )
+            spans = [(int(addr), int(length)) for addr, length in ranges]
+            for addr, length in spans if maps is not None else ():
+                # every range before any is registered: a refusal leaves none behind
+                if addr >= 0 and length > 0:
+                    check_mapped(addr, length, write=bool(access & Access.WRITE), maps=maps)
+            for addr, length in spans:
+                out.append(self.local.add(Region(addr, length, location, access, owner=owner)))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         finally:
@@ -425,7 +461,7 @@ class TransferEngine:
         if not self._started or self._closed:
             raise TransportClosed("engine is not running")
         deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
-        batch = Batch(requests, deadline)
+        batch = Batch(_with_ops(requests), deadline)
         groups: dict[tuple[int, str], tuple[Transport, SegmentDesc, list[_Slice]]] = {}
         slice_size = self.config.slice_size
         for i, req in enumerate(batch.requests):
@@ -471,11 +507,12 @@ class TransferEngine:
         # The data path: plain int arithmetic here, no enum operations (they cost microseconds).
         op = req.op
         if op is not TransferOp.READ and op is not TransferOp.WRITE:
-            try:
-                op = TransferOp(op)
-            except ValueError:
-                raise ConfigError(f"unknown transfer op {op!r}") from None
+            raise ConfigError(f"unknown transfer op {op!r}: expected a TransferOp")
         length = req.length
+        if type(length) is not int or type(req.local_addr) is not int:
+            _check_request(req)
+        if type(req.remote_addr) is not int or type(req.target) is not str:
+            _check_request(req)
         if length < 0 or req.local_addr < 0 or req.remote_addr < 0:
             raise ConfigError(f"negative address or length in {req}")
         local = None
