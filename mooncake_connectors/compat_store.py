@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -286,6 +287,13 @@ class MooncakeDistributedStore:
             return self._fail("remove_all", exc)
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            # Interpreter exit: our threads are frozen, so close() could wait on them forever.
+            # Wait for nothing; the master sees this client's segment go as that of a process
+            # that exited (after its server_ttl).
+            if self._client is not None and self._client.engine is not None:
+                self._client.engine.abandon()
+            return
         try:
             self.close()
         except Exception as exc:  # never raise from a finalizer

@@ -345,6 +345,13 @@ class TransferEngine:
             buf.close()
         self._owned_buffers.clear()
 
+    def abandon(self) -> None:
+        """For a finalizer at interpreter exit: mark the engine closed and wait for nothing
+        (its threads may be frozen). Sockets and memory go with the process; the segment stays
+        published, as that of any process that exited."""
+        self._closed = True
+        self._stop.set()
+
     def __enter__(self) -> TransferEngine:
         return self.start()
 
