@@ -436,16 +436,46 @@ class TransferEngine:
         buf.close()
 
     # -- peers ------------------------------------------------------------------------------
-    def peer(self, name: str) -> SegmentDesc:
-        """The (cached) descriptor of segment ``name``."""
-        return self._view(name).desc
+    def peer(self, name: str, timeout: float | None = None) -> SegmentDesc:
+        """The (cached) descriptor of segment ``name``; a lookup takes at most ``timeout``
+        (TransferTimeout), else the metadata backend's own timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._view(name, deadline).desc
 
-    def _view(self, name: str) -> _PeerView:
+    def _view(self, name: str, deadline: float | None = None) -> _PeerView:
         pv = self._peers.get(name)
         if pv is None:
-            self.refresh_peer(name)
+            self._refresh_by(name, deadline)
             pv = self._peers[name]
         return pv
+
+    def _refresh_by(self, name: str, deadline: float | None) -> None:
+        """``refresh_peer`` within ``deadline``. Backends bound a lookup by connect_timeout
+        only; when less time is left, the lookup runs in a helper thread (it finishes within
+        its own timeout and fills the cache) and the caller stops waiting at its deadline."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is None or left >= self.config.connect_timeout:
+            self.refresh_peer(name)
+            return
+        done: list[BaseException | None] = []
+
+        def lookup() -> None:
+            try:
+                self.refresh_peer(name)
+                done.append(None)
+            except BaseException as exc:  # handed to the waiting caller
+                done.append(exc)
+
+        t = threading.Thread(target=lookup, name="mc-engine-lookup", daemon=True)
+        t.start()
+        t.join(max(0.0, left))
+        if not done:
+            raise TransferTimeout(
+                "looking up the segment's descriptor outlasted the request's deadline",
+                peer=name,
+            )
+        if done[0] is not None:
+            raise done[0]
 
     def refresh_peer(self, name: str) -> SegmentDesc:
         """Fetch ``name``'s descriptor again (after it registered or unregistered memory)."""
@@ -473,7 +503,7 @@ class TransferEngine:
         slice_size = self.config.slice_size
         for i, req in enumerate(batch.requests):
             try:
-                peer, region, transport, lanes, local = self._plan(req)
+                peer, region, transport, lanes, local = self._plan(req, deadline)
             except MooncakeConnectorsError as exc:
                 batch._fail(i, exc)
                 continue
@@ -509,7 +539,7 @@ class TransferEngine:
         return batch
 
     def _plan(
-        self, req: TransferRequest
+        self, req: TransferRequest, deadline: float | None = None
     ) -> tuple[SegmentDesc, RegionDesc, Transport, list[int], Region | None]:
         # The data path: plain int arithmetic here, no enum operations (they cost microseconds).
         op = req.op
@@ -536,7 +566,7 @@ class TransferEngine:
                     "READ destination is read-only local memory", peer=req.target, path="local"
                 )
         try:
-            pv = self._view(req.target)
+            pv = self._view(req.target, deadline)
         except SegmentNotFound:
             raise
         except MetadataError as exc:
@@ -547,7 +577,7 @@ class TransferEngine:
         span = length or 1
         region = pv.find(req.remote_addr, span)
         if region is None or not need & region.access:
-            self.refresh_peer(req.target)  # it may have registered since we looked
+            self._refresh_by(req.target, deadline)  # it may have registered since we looked
             pv = self._peers[req.target]
             region = pv.find(req.remote_addr, span)
             if region is None:
