@@ -180,6 +180,7 @@ def test_transfer_requests_with_bad_fields_are_config_errors() -> None:
             TransferRequest(TransferOp.WRITE, peer, src.addr, dst.addr, "10"),  # type: ignore[arg-type]
             TransferRequest(TransferOp.WRITE, peer, None, dst.addr, 10),  # type: ignore[arg-type]
             TransferRequest(TransferOp.WRITE, 7, src.addr, dst.addr, 10),  # type: ignore[arg-type]
+            TransferRequest(TransferOp.WRITE, "seg\ud800", src.addr, dst.addr, 10),
         ):
             with pytest.raises(ConfigError):
                 a.transfer([bad])
@@ -203,6 +204,7 @@ def test_bad_keys_are_config_errors_in_client_and_compat(master: Master, key: st
             lambda: c.exists(key),
             lambda: c.remove(key),
             lambda: c.get_into(key, 0, 0),
+            lambda: c.put("fine", b"v", preferred_segment=key) if key else c.put("", b""),
         ):
             with pytest.raises(ConfigError):
                 call()

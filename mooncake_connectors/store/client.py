@@ -265,6 +265,8 @@ class StoreClient:
     def _put(self, keys: list[str], srcs: list[Source], **opts: Any) -> list[Result]:
         assert self._writer is not None
         check_keys(keys)
+        if opts.get("preferred_segment"):
+            check_keys([opts["preferred_segment"]])
         return self._writer.put(keys, srcs, **opts)
 
     def _stage(self, sizes: Sequence[int]) -> contextlib.AbstractContextManager[list[int]]:

@@ -82,6 +82,10 @@ def _check_request(req: TransferRequest) -> None:
     """Refuse (ConfigError) a request whose fields are not of the types the data path uses."""
     if not isinstance(req.target, str):
         raise ConfigError(f"target must be a segment name, got {type(req.target).__name__}")
+    try:
+        req.target.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"segment name {req.target!r} is not valid UTF-8: {exc.reason}") from None
     for name in ("local_addr", "remote_addr", "length"):
         value = getattr(req, name)
         try:
@@ -549,6 +553,8 @@ class TransferEngine:
         if type(length) is not int or type(req.local_addr) is not int:
             _check_request(req)
         if type(req.remote_addr) is not int or type(req.target) is not str:
+            _check_request(req)
+        if not req.target.isascii():
             _check_request(req)
         if length < 0 or req.local_addr < 0 or req.remote_addr < 0:
             raise ConfigError(f"negative address or length in {req}")
