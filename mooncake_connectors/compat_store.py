@@ -21,7 +21,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ConfigError, MasterUnavailable, MooncakeConnectorsError, ObjectExists
+from .errors import (
+    AccessViolation,
+    ConfigError,
+    MasterUnavailable,
+    MooncakeConnectorsError,
+    ObjectExists,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +84,7 @@ def _code(err: MooncakeConnectorsError | None) -> int:
     code = err.fields.get("code")
     if isinstance(code, int) and code < 0:
         return code
-    if isinstance(err, ConfigError):
+    if isinstance(err, (ConfigError, AccessViolation)):  # a bad key, size or address
         return INVALID_PARAMS
     return INTERNAL_ERROR
 
