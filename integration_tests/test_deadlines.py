@@ -5,7 +5,9 @@ these tests check that the deadline holds, not how fast anything is."""
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -121,3 +123,39 @@ def test_a_single_copy_get_from_a_stopped_server_is_a_miss_in_about_replica_time
         finally:
             servers[0].proc.send_signal(signal.SIGCONT)
             reader.close()
+
+
+def test_a_peer_stopped_mid_read_costs_the_deadline_not_a_timeout_per_wait(
+    meta: MetadataHTTPServer,
+) -> None:
+    """A peer stopped while it streams a large READ: the waits after it stopped get what is
+    left of the deadline (each used to get a fresh socket timeout: twice the deadline)."""
+    peer = Peer(metadata=meta.url, transports=["tcp"])
+    size = 256 * MiB
+    try:
+        remote = peer.call("alloc", kind="numpy", size=size)["addr"]
+        cfg = EngineConfig(metadata=meta.url, transports=("tcp",), slice_size=MiB)
+        with TransferEngine(cfg) as e:
+            dst = e.allocate_buffer(size)
+            t0 = time.monotonic()
+            e.read(peer.segment, dst.addr, remote, size, timeout=60)
+            full = time.monotonic() - t0
+            timed_out = []
+            for share in (0.2, 0.4, 0.6):  # where in the stream the peer stops
+                stop = threading.Timer(full * share, os.kill, (peer.pid, signal.SIGSTOP))
+                stop.start()
+                t0 = time.monotonic()
+                try:
+                    e.read(peer.segment, dst.addr, remote, size, timeout=3.0)
+                except TransferTimeout:
+                    timed_out.append(time.monotonic() - t0)
+                stop.join()
+                peer.signal(signal.SIGSTOP)  # (to be sure it is stopped before it continues)
+                peer.signal(signal.SIGCONT)
+            if not timed_out:
+                pytest.skip("every read finished before the peer stopped (a very fast machine)")
+            assert max(timed_out) < 3.0 + MARGIN, timed_out
+    finally:
+        if peer.stopped():
+            peer.signal(signal.SIGCONT)
+        peer.close()
