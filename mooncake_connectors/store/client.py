@@ -26,13 +26,12 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..errors import (
-    AccessViolation,
     ConfigError,
     MooncakeConnectorsError,
     StoreError,
 )
 from ..transfer_core.engine import TransferEngine
-from ..transfer_core.memory import check_mapped
+from ..transfer_core.memory import unmapped
 from .config import ClientConfig, ServerConfig
 from .link import MasterLink
 from .protocol import (
@@ -387,18 +386,14 @@ class StoreClient:
             todo.append((i, loc))
         # Unregistered destinations are read through staging, then copied: memory that is not
         # writable there is refused rather than copied into (which would crash the process).
-        kept: list[tuple[int, Loc]] = []
-        unreg: list[int] = []  # indices into ``kept``
-        for i, loc in todo:
-            if not self._registered(addrs[i], loc.size):
-                try:
-                    check_mapped(addrs[i], loc.size, write=True)
-                except AccessViolation as exc:
-                    out[i] = exc
-                    continue
-                unreg.append(len(kept))
-            kept.append((i, loc))
-        todo = kept
+        raw = [k for k, (i, loc) in enumerate(todo) if not self._registered(addrs[i], loc.size)]
+        bad = unmapped([(addrs[todo[k][0]], todo[k][1].size) for k in raw], write=True)
+        for j, exc in bad.items():
+            out[todo[raw[j]][0]] = exc
+        refused, unregistered = {raw[j] for j in bad}, set(raw)
+        kept = [k for k in range(len(todo)) if k not in refused]
+        unreg = [n for n, k in enumerate(kept) if k in unregistered]  # indices into the new todo
+        todo = [todo[k] for k in kept]
         with self._stage([todo[k][1].size for k in unreg]) as tmp:
             dests = [addrs[i] for i, _ in todo]
             for k, addr in zip(unreg, tmp, strict=True):

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import (
-    AccessViolation,
     CapacityExceeded,
     MooncakeConnectorsError,
     ObjectExists,
@@ -31,7 +30,7 @@ from ..errors import (
     StoreError,
 )
 from ..transfer_core.engine import TransferEngine, TransferRequest
-from ..transfer_core.memory import check_mapped, view
+from ..transfer_core.memory import unmapped, view
 from ..types import Access, TransferOp, TransferStatus
 from .coalesce import coalesce
 from .link import MasterLink
@@ -78,18 +77,12 @@ def _buffer_address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
 
 
-def _unmapped(srcs: list[Source], which: dict[int, Any]) -> dict[int, MooncakeConnectorsError]:
+def _unmapped(srcs: list[Source], which: list[int]) -> dict[int, MooncakeConnectorsError]:
     """The raw (unregistered) sources among ``which`` that are not readable memory: refused
     with AccessViolation rather than copied (and crashing the process)."""
-    bad: dict[int, MooncakeConnectorsError] = {}
-    for i in which:
-        raw = srcs[i][2]
-        if isinstance(raw, Raw):
-            try:
-                check_mapped(raw.addr, raw.size)
-            except AccessViolation as exc:
-                bad[i] = exc
-    return bad
+    raws = [i for i in which if isinstance(srcs[i][2], Raw)]
+    bad = unmapped([(srcs[i][0], srcs[i][1]) for i in raws])
+    return {raws[k]: exc for k, exc in bad.items()}
 
 
 def error_for(code: int, key: str, what: str = "") -> StoreError:
@@ -217,7 +210,7 @@ class Writer:
             todo = busy
             if todo:
                 time.sleep(_BUSY_PAUSE)
-        refused = _unmapped(srcs, allocs)  # checked once placed, as they are touched only then
+        refused = _unmapped(srcs, list(allocs))  # checked once placed: touched only then
         for i in refused:
             del allocs[i]
         placed = sorted(allocs)
@@ -340,7 +333,7 @@ class Writer:
             return 0
         if not rid or until < time.monotonic():
             return 0
-        bad = _unmapped([src], {0: []})
+        bad = _unmapped([src], [0])
         if bad:
             self._keep_spare(size, replicas, (rid, stripes))  # unused: still ours
             return bad[0]

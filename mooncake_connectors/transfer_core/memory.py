@@ -70,6 +70,23 @@ def check_mapped(
     raise AccessViolation(f"{addr:#x}+{length} is not mapped in this process")
 
 
+def unmapped(ranges: list[tuple[int, int]], *, write: bool = False) -> dict[int, AccessViolation]:
+    """``check_mapped`` for several ranges, reading the map once: index -> error of each range
+    that is not this process's memory (empty where there is no map to read)."""
+    if not ranges:
+        return {}
+    maps = mappings()
+    if maps is None:
+        return {}
+    bad: dict[int, AccessViolation] = {}
+    for i, (addr, length) in enumerate(ranges):
+        try:
+            check_mapped(addr, length, write=write, maps=maps)
+        except AccessViolation as exc:
+            bad[i] = exc
+    return bad
+
+
 class SharedBuffer:
     """Memory backed by a memfd, so a peer on the same host can map it and copy at memcpy speed.
 
