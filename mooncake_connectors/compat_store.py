@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ConfigError, MasterUnavailable, MooncakeConnectorsError, ObjectExists
+from .errors import (
+    AccessViolation,
+    ConfigError,
+    MasterUnavailable,
+    MooncakeConnectorsError,
+    ObjectExists,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ def _code(err: MooncakeConnectorsError | None) -> int:
     code = err.fields.get("code")
     if isinstance(code, int) and code < 0:
         return code
-    if isinstance(err, ConfigError):
+    if isinstance(err, (ConfigError, AccessViolation)):  # a bad key, size or address
         return INVALID_PARAMS
     return INTERNAL_ERROR
 
@@ -289,6 +296,13 @@ class MooncakeDistributedStore:
             return self._fail("remove_all", exc)
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            # Interpreter exit: our threads are frozen, so close() could wait on them forever.
+            # Wait for nothing; the master sees this client's segment go as that of a process
+            # that exited (after its server_ttl).
+            if self._client is not None and self._client.engine is not None:
+                self._client.engine.abandon()
+            return
         try:
             self.close()
         except Exception as exc:  # never raise from a finalizer

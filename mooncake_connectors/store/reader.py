@@ -68,7 +68,8 @@ class Reader:
                 r = 0
             else:
                 try:
-                    r = 1 if self.engine.peer(segment).host_id == self._host else 2
+                    peer = self.engine.peer(segment, self.replica_timeout)
+                    r = 1 if peer.host_id == self._host else 2
                 except MooncakeConnectorsError:
                     return 12  # unknown now; do not cache
             self._rank[segment] = r

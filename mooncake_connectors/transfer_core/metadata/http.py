@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import logging
+import sys
 import threading
 import urllib.parse
 
@@ -167,6 +168,7 @@ class MetadataHTTPServer:
         self.port = self._srv.server_address[1]
         self.path = path
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def url(self) -> str:
@@ -174,22 +176,34 @@ class MetadataHTTPServer:
         return f"http://{h}:{self.port}{self.path}"
 
     def start(self) -> MetadataHTTPServer:
-        self._thread = threading.Thread(
-            target=self._srv.serve_forever,
-            kwargs={"poll_interval": 0.2},
-            name="mc-metadata-http",
-            daemon=True,
-        )
+        self._thread = threading.Thread(target=self._serve, name="mc-metadata-http", daemon=True)
         self._thread.start()
         return self
+
+    def _serve(self) -> None:
+        # Our own loop, not serve_forever: its shutdown() waits, without a bound, for the serve
+        # thread to notice, and a thread frozen by interpreter exit never does.
+        self._srv.timeout = 0.2
+        while not self._stopping.is_set():
+            try:
+                self._srv.handle_request()
+            except OSError:  # the socket was closed under us: stopping
+                if not self._stopping.is_set():
+                    log.exception("metadata server stopped on a socket error")
+                return
 
     def wait(self) -> None:
         if self._thread is not None:
             while self._thread.is_alive():
                 self._thread.join(timeout=1.0)
 
-    def stop(self) -> None:
-        self._srv.shutdown()
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop serving; waits at most ``timeout`` for the serve thread, and not at all during
+        interpreter exit (its thread may already be frozen)."""
+        self._stopping.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread() and not sys.is_finalizing():
+            t.join(timeout)
         self._srv.server_close()
 
     # direct access for the p2p backend that embeds this server

@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import socket
 import struct
+from collections.abc import Callable
 
 from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
 
@@ -74,8 +75,15 @@ def _proof(token: str | None, label: bytes, target_nonce: bytes, initiator_nonce
     return hmac.new(token.encode(), msg, hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, buf: memoryview) -> None:
-    """Fill ``buf`` completely from ``sock``; ConnectionError when the peer closes first."""
+def recv_exact(
+    sock: socket.socket, buf: memoryview, progress: Callable[[], object] | None = None
+) -> None:
+    """Fill ``buf`` completely from ``sock``; ConnectionError when the peer closes first.
+
+    A socket timeout bounds each receive, and one that times out returns what it has:
+    ``progress`` runs before the next one, to bound it by what is left of the caller's deadline
+    (or raise TimeoutError), so a peer that stops mid-frame costs the deadline, not another
+    timeout per receive."""
     n = len(buf)
     got = 0
     while got < n:
@@ -83,11 +91,22 @@ def recv_exact(sock: socket.socket, buf: memoryview) -> None:
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
+        if got < n and progress is not None:
+            progress()
 
 
-def sendmsg_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
-    """Send every buffer, in order, with as few syscalls as the kernel allows."""
+def sendmsg_all(
+    sock: socket.socket,
+    bufs: list[memoryview | bytes],
+    progress: Callable[[], object] | None = None,
+) -> None:
+    """Send every buffer, in order, with as few syscalls as the kernel allows (``progress``
+    runs between partial sends, as in ``recv_exact``)."""
+    first_call = True
     while bufs:
+        if not first_call and progress is not None:
+            progress()
+        first_call = False
         sent = sock.sendmsg(bufs[:1024])
         while sent:
             first = bufs[0]
