@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .base_connector import DelegatingConnector
+from .cpu_amx import enable_amx_tiles
 from .stats import StorePromMetrics, StoreStats
 from .store_config import StoreConnectorConfig
 from .store_scheduler import StoreConnectorMetadata, StoreScheduler, block_keys
@@ -67,4 +68,6 @@ class MooncakeConnectorsStore(DelegatingConnector[StoreScheduler, StoreWorker]):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        if any(t.device.type == "cpu" for t in kv_caches.values()):
+            enable_amx_tiles()
         self.worker.register_kv_caches(kv_caches, get_tensor_model_parallel_rank())

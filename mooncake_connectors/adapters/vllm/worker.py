@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ...pd.session import TransferSession
 from .config import PDConfig
+from .cpu_amx import enable_amx_tiles
 from .metadata import PDHandshake
 from .stats import PDStats
 
@@ -39,6 +40,8 @@ class PDWorker(TransferSession):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        if any(t.device.type == "cpu" for t in kv_caches.values()):
+            enable_amx_tiles()
         self.register(kv_caches, get_tensor_model_parallel_rank())
 
     def handshake(self) -> PDHandshake | None:
