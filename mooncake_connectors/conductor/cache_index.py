@@ -91,9 +91,19 @@ class BlockCache:
     def clear(self) -> None:
         self._blocks.clear()
 
+    def held(self) -> list[int]:
+        return list(self._blocks)
+
 
 class CacheIndex:
-    """Per-instance block caches plus prefix matching across all of them."""
+    """Per-instance block caches plus prefix matching across all of them.
+
+    Besides each instance's cache it keeps, per block key, which instances hold it, so that the
+    instances holding any prefix of a prompt are found in time proportional to the prompt's
+    blocks and their holders, whatever the number of instances (:meth:`holder_matches`). A key
+    with one holder maps to that name, with more to a set (most keys have one: a set per key
+    would triple the index's memory).
+    """
 
     def __init__(self, instances: Sequence[str], capacity_blocks: int | None = None) -> None:
         if not instances:
@@ -101,6 +111,7 @@ class CacheIndex:
         if len(set(instances)) != len(instances):
             raise ConfigError("instance names must be unique", instances=list(instances))
         self._caches = {name: BlockCache(capacity_blocks) for name in instances}
+        self._holders: dict[int, str | set[str]] = {}
 
     @property
     def instances(self) -> list[str]:
@@ -112,14 +123,46 @@ class CacheIndex:
         except KeyError:
             raise ConfigError(f"unknown prefill instance {instance!r}", instance=instance) from None
 
+    def _hold(self, key: int, instance: str) -> None:
+        h = self._holders.get(key)
+        if h is None:
+            self._holders[key] = instance
+        elif isinstance(h, str):
+            if h != instance:
+                self._holders[key] = {h, instance}
+        else:
+            h.add(instance)
+
+    def _drop(self, key: int, instance: str) -> None:
+        h = self._holders.get(key)
+        if h is None:
+            return
+        if isinstance(h, str):
+            if h == instance:
+                del self._holders[key]
+            return
+        h.discard(instance)
+        if len(h) == 1:
+            self._holders[key] = next(iter(h))
+
     def apply(self, event: CacheEvent) -> list[int]:
         """Apply one instance event; returns keys evicted by this index's own capacity limit."""
-        cache = self.cache(event.instance)
+        name = event.instance
+        cache = self.cache(name)
         if isinstance(event, BlockStored):
-            return cache.store(event.block_hashes)
+            evicted = cache.store(event.block_hashes)
+            for k in event.block_hashes:
+                self._hold(k, name)
+            for k in evicted:
+                self._drop(k, name)
+            return evicted
         if isinstance(event, BlockRemoved):
             cache.remove(event.block_hashes)
+            for k in event.block_hashes:
+                self._drop(k, name)
         else:
+            for k in cache.held():
+                self._drop(k, name)
             cache.clear()
         return []
 
@@ -130,6 +173,36 @@ class CacheIndex:
         """Leading blocks of ``keys`` held by each instance."""
         return {name: c.match(keys) for name, c in self._caches.items()}
 
+    def holder_matches(self, keys: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of ``keys`` held, for the instances that hold at least one.
+
+        Walks the prompt's blocks once, narrowing the set of instances that still match; the
+        others (most, in a large pool) are never looked at.
+        """
+        out: dict[str, int] = {}
+        if not keys:
+            return out
+        first = self._holders.get(keys[0])
+        if first is None:
+            return out
+        alive = {first} if isinstance(first, str) else set(first)
+        for i in range(1, len(keys)):
+            h = self._holders.get(keys[i])
+            if h is None:
+                nxt: set[str] | frozenset[str] = frozenset()
+            elif isinstance(h, str):
+                nxt = {h} if h in alive else frozenset()
+            else:
+                nxt = alive & h
+            for name in alive.difference(nxt):
+                out[name] = i
+            if not nxt:
+                return out
+            alive = set(nxt)
+        for name in alive:
+            out[name] = len(keys)
+        return out
+
     def best_match(self, keys: Sequence[int]) -> tuple[int, str | None]:
         """Longest prefix held anywhere and one holder (first in instance order on ties)."""
         best, holder = 0, None
@@ -138,3 +211,8 @@ class CacheIndex:
             if m > best:
                 best, holder = m, name
         return best, holder
+
+    @property
+    def indexed_keys(self) -> int:
+        """Distinct block keys held by at least one instance."""
+        return len(self._holders)

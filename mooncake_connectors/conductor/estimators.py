@@ -129,25 +129,29 @@ class LinkBook:
     """Per-node NIC reservations: a transfer occupies the sender's and receiver's NIC.
 
     Hot prefixes make one node the source of many fetches at once; a size/bandwidth estimate
-    ignores that queue, a booking sees it.
+    ignores that queue, a booking sees it. A source in ``spread_sources`` (the store, whose
+    objects are striped over many servers) books only the receiver's NIC.
     """
 
-    def __init__(self, model: TransferModel) -> None:
+    def __init__(self, model: TransferModel, spread_sources: frozenset[str] = frozenset()) -> None:
         self.model = model
+        self.spread = spread_sources
         self._free_at: dict[str, float] = {}
 
     def estimate(self, src: str, dst: str, now: float, tokens: int) -> float:
         """Completion time of a transfer asked for at ``now`` (nothing is booked)."""
         if tokens <= 0:
             return now
-        start = max(now, self._free_at.get(src, 0.0), self._free_at.get(dst, 0.0))
+        src_free = 0.0 if src in self.spread else self._free_at.get(src, 0.0)
+        start = max(now, src_free, self._free_at.get(dst, 0.0))
         return start + self.model.time(tokens)
 
     def book(self, src: str, dst: str, now: float, tokens: int) -> float:
         """Reserve both NICs for the transfer; returns its completion time."""
         end = self.estimate(src, dst, now, tokens)
         if tokens > 0:
-            self._free_at[src] = end
+            if src not in self.spread:
+                self._free_at[src] = end
             self._free_at[dst] = end
         return end
 

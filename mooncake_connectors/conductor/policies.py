@@ -12,6 +12,10 @@ the four of the Mooncake paper's Figure 5 plus ours:
 - ``adaptive`` (ours): both options costed on every instance, no fixed threshold; the fetch runs
   while the request waits in the queue (``max(queue, transfer) + prefill``), and transfer time
   comes from NIC bookings, so a hot prefix's congested holder is seen as slow.
+
+In a store deployment (``PlanContext.store_blocks`` set) the two fetching policies fetch from the
+store: every prefill instance saves its prompts' KV there and loads any prefix held there, so the
+prefix source is the store rather than one instance, and the transfer model is a store load.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .cache_index import CacheIndex
 from .estimators import LinkBook, PrefillModel, TransferModel
-from .state import PrefillView
-from .types import PlacementPolicy, ScheduleRequest
+from .state import LoadOrder, PrefillView
+from .types import STORE, PlacementPolicy, ScheduleRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,13 @@ class PlanContext:
     block_tokens: int
     threshold: float
     rng: random.Random
+    # Store deployment: leading blocks of the prompt the store holds, the only fetch source.
+    # None: fetches copy from the instance holding the longest prefix (the paper's setting).
+    store_blocks: int | None = None
+    # Large pools: look only at holders and the least loaded others (see _search).
+    order: LoadOrder | None = None
+    queued_first: Mapping[int, Mapping[str, int]] | None = None  # first key -> instances queued
+    min_slowdown: float = 1.0
 
 
 def _tokens(blocks: int, req: ScheduleRequest, block_tokens: int) -> int:
@@ -66,66 +77,144 @@ def _local_plan(ctx: PlanContext, req: ScheduleRequest, inst: str, local: int) -
     return PrefillPlan(inst, local, None, 0, queue, 0.0, prefill, queue + prefill, ctx.now)
 
 
+PlanFor = Callable[[str, int], PrefillPlan]
+
+
+def _search(
+    ctx: PlanContext,
+    req: ScheduleRequest,
+    plan_for: PlanFor,
+    floor: Callable[[float], float],
+    key: Callable[[PrefillPlan], tuple[float, ...]],
+    matches: Mapping[str, int] | None = None,
+) -> PrefillPlan:
+    """The plan of least ``key`` over the instances (the first in instance order on ties).
+
+    Small pools (no ``ctx.order``): every instance is costed. Large ones: the instances holding
+    part of the prompt (or queued work that will) are costed, then the others from the least
+    loaded up, until ``floor(queue lower bound)`` (a lower bound of ``key[0]`` of an instance
+    that holds nothing) reaches the best so far; the work is then independent of the pool size.
+    """
+    if ctx.order is None:
+        m = ctx.index.matches(req.block_hashes) if matches is None else matches
+        return min((plan_for(i, m[i]) for i in ctx.instances), key=key)
+    holders = dict(ctx.index.holder_matches(req.block_hashes) if matches is None else matches)
+    if req.block_hashes and ctx.queued_first is not None:
+        for name in ctx.queued_first.get(req.block_hashes[0], ()):
+            holders.setdefault(name, 0)
+    best: PrefillPlan | None = None
+    for inst in sorted(holders):
+        plan = plan_for(inst, holders[inst])
+        if best is None or key(plan) < key(best):
+            best = plan
+    popped = []
+    try:
+        while (item := ctx.order.pop()) is not None:
+            popped.append(item)
+            free_at, _, _, name = item
+            if name in holders:
+                continue
+            if best is not None and floor(max(0.0, free_at - ctx.now)) >= key(best)[0]:
+                break
+            plan = plan_for(name, 0)
+            if best is None or key(plan) < key(best):
+                best = plan
+    finally:
+        ctx.order.restore(popped)
+    assert best is not None  # instances is never empty (checked by the config)
+    return best
+
+
+def _ttft(p: PrefillPlan) -> tuple[float, ...]:
+    return (p.ttft_s,)
+
+
 def place_random(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
     inst = ctx.rng.choice(list(ctx.instances))
     return _local_plan(ctx, req, inst, ctx.index.match(inst, req.block_hashes))
 
 
 def place_load_balance(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
-    inst = min(ctx.instances, key=lambda i: ctx.views[i].queue_time(ctx.now))
-    return _local_plan(ctx, req, inst, ctx.index.match(inst, req.block_hashes))
+    if ctx.order is None:
+        inst = min(ctx.instances, key=lambda i: ctx.views[i].queue_time(ctx.now))
+        return _local_plan(ctx, req, inst, ctx.index.match(inst, req.block_hashes))
+    return _search(
+        ctx, req, lambda i, _m: _local_plan(ctx, req, i, ctx.index.match(i, req.block_hashes)),
+        lambda q: q, lambda p: (p.queue_s,), matches={},
+    )  # fmt: skip
 
 
 def place_local_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
-    plans = (_local_plan(ctx, req, i, ctx.index.match(i, req.block_hashes)) for i in ctx.instances)
+    p0 = ctx.min_slowdown * ctx.prefill_model.time(req.prompt_tokens)
     # equal estimates (a flat profile, rounding): the longer cached prefix wins
-    return min(plans, key=lambda p: (p.ttft_s, -p.local_blocks))
+    return _search(
+        ctx, req, lambda i, m: _local_plan(ctx, req, i, m), lambda q: q + p0,
+        lambda p: (p.ttft_s, -p.local_blocks),
+    )  # fmt: skip
+
+
+def _source(
+    ctx: PlanContext, req: ScheduleRequest, matches: Mapping[str, int]
+) -> tuple[str | None, int]:
+    """Where a fetched prefix comes from and how many leading blocks it has."""
+    if ctx.store_blocks is not None:
+        return STORE, min(ctx.store_blocks, len(req.block_hashes))
+    if not matches:
+        return None, 0
+    if ctx.order is None:
+        holder = max(ctx.instances, key=lambda i: matches[i])
+    else:
+        holder = min(matches, key=lambda i: (-matches[i], i))
+    return holder, matches[holder]
+
+
+def _matches(ctx: PlanContext, req: ScheduleRequest) -> dict[str, int]:
+    if ctx.order is None:
+        return ctx.index.matches(req.block_hashes)
+    return ctx.index.holder_matches(req.block_hashes)
 
 
 def place_global_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
     """Algorithm 1 of the paper (lines 1-23, 28-30)."""
-    matches = ctx.index.matches(req.block_hashes)
-    best_holder = max(ctx.instances, key=lambda i: matches[i])
-    best = matches[best_holder]
-    best_plan: PrefillPlan | None = None
-    for inst in ctx.instances:
-        local = matches[inst]
+    matches = _matches(ctx, req)
+    best_holder, best = _source(ctx, req, matches)
+    best_tokens = _tokens(best, req, ctx.block_tokens)
+    prefill_best = ctx.prefill_model.time(req.prompt_tokens, best_tokens)
+
+    def plan_for(inst: str, local: int) -> PrefillPlan:
         # Division by a zero local prefix counts as "infinitely better elsewhere".
-        if best > local and (local == 0 or best / local >= ctx.threshold):
-            queue = ctx.views[inst].queue_time(ctx.now)
-            fetch_tokens = _tokens(best, req, ctx.block_tokens) - _tokens(
-                local, req, ctx.block_tokens
-            )
-            transfer = ctx.transfer.time(fetch_tokens)
-            prefill = ctx.views[inst].slowdown * ctx.prefill_model.time(
-                req.prompt_tokens, _tokens(best, req, ctx.block_tokens)
-            )
-            plan = PrefillPlan(
-                inst, local, best_holder, best - local, queue, transfer, prefill,
-                transfer + queue + prefill, ctx.now + transfer,
-            )  # fmt: skip
-        else:
-            plan = _local_plan(ctx, req, inst, local)
-        if best_plan is None or plan.ttft_s < best_plan.ttft_s:
-            best_plan = plan
-    assert best_plan is not None  # instances is never empty (checked by the config)
-    return best_plan
+        if best_holder is None or not (
+            best > local and (local == 0 or best / local >= ctx.threshold)
+        ):
+            return _local_plan(ctx, req, inst, local)
+        queue = ctx.views[inst].queue_time(ctx.now)
+        transfer = ctx.transfer.time(best_tokens - _tokens(local, req, ctx.block_tokens))
+        prefill = ctx.views[inst].slowdown * prefill_best
+        return PrefillPlan(
+            inst, local, best_holder, best - local, queue, transfer, prefill,
+            transfer + queue + prefill, ctx.now + transfer,
+        )  # fmt: skip
+
+    s = ctx.min_slowdown
+    if best > 0:
+        fixed = ctx.transfer.time(best_tokens) + s * prefill_best
+    else:
+        fixed = s * ctx.prefill_model.time(req.prompt_tokens)
+    return _search(ctx, req, plan_for, lambda q: q + fixed, _ttft, matches)
 
 
 def place_adaptive(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
     """Ours: cost both options everywhere; overlap fetch with queueing; booked NIC times."""
-    matches = ctx.index.matches(req.block_hashes)
-    best_holder = max(ctx.instances, key=lambda i: matches[i])
-    best = matches[best_holder]
+    matches = _matches(ctx, req)
+    best_holder, best = _source(ctx, req, matches)
     best_tokens = _tokens(best, req, ctx.block_tokens)
     prefill_best = ctx.prefill_model.time(req.prompt_tokens, best_tokens)
-    best_plan: PrefillPlan | None = None
-    for inst in ctx.instances:
-        local = matches[inst]
+
+    def plan_for(inst: str, local: int) -> PrefillPlan:
         # Blocks that requests queued ahead will have stored by the time this one starts count
         # as local: a follow-up turn queued behind its predecessor reuses its KV for free.
         plan = _local_plan(ctx, req, inst, ctx.views[inst].pending_match(req.block_hashes, local))
-        if best > plan.local_blocks:
+        if best_holder is not None and best > plan.local_blocks:
             drain = ctx.views[inst].drain_time(ctx.now)
             fetch_tokens = best_tokens - _tokens(local, req, ctx.block_tokens)
             ready = ctx.links.estimate(best_holder, inst, ctx.now, fetch_tokens)
@@ -136,10 +225,16 @@ def place_adaptive(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
                     inst, local, best_holder, best - local, drain - ctx.now, ready - ctx.now,
                     prefill, ttft, ready,
                 )  # fmt: skip
-        if best_plan is None or plan.ttft_s < best_plan.ttft_s:
-            best_plan = plan
-    assert best_plan is not None  # instances is never empty (checked by the config)
-    return best_plan
+        return plan
+
+    s = ctx.min_slowdown
+    p0 = s * ctx.prefill_model.time(req.prompt_tokens)
+    t0 = ctx.transfer.time(best_tokens)
+
+    def floor(q: float) -> float:
+        return min(q + p0, max(q, t0) + s * prefill_best) if best > 0 else q + p0
+
+    return _search(ctx, req, plan_for, floor, _ttft, matches)
 
 
 PLACEMENTS: Mapping[PlacementPolicy, Callable[[PlanContext, ScheduleRequest], PrefillPlan]] = {

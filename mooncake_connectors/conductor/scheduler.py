@@ -22,11 +22,12 @@ import random
 from collections import deque
 
 from ..errors import ConfigError
-from .cache_index import CacheEvent, CacheIndex
+from .cache_index import BlockCache, BlockRemoved, BlockStored, CacheEvent, CacheIndex
 from .estimators import DecodeModel, LinkBook, PrefillModel, TransferModel
 from .policies import PLACEMENTS, PlanContext, PrefillPlan
-from .state import DecodeView, PrefillView
+from .state import DecodeView, LoadOrder, PrefillView
 from .types import (
+    STORE,
     Admission,
     Placement,
     PlacementPolicy,
@@ -52,6 +53,13 @@ class ConductorConfig:
     ``learn_instance_speed``: scale each prefill instance's estimates by how much slower (or
     faster) than ``prefill_model`` its finished prefill legs really ran (a live proxy, where
     instances share hardware or drift from their profile; off in a replay).
+    ``store``: the prefill instances save to and load from a shared KV store, and the fetching
+    policies fetch from it (``transfer_model`` is then a store load). The store's contents come
+    with each request (``ScheduleRequest.store_blocks``) or from ``BlockStored`` events of the
+    instance named :data:`~.types.STORE`.
+    ``exhaustive_up_to``: pools of at most this many prefill instances are costed instance by
+    instance (ties go to the first in order, as replays expect); larger ones only look at the
+    instances holding part of the prompt and the least loaded others.
     """
 
     prefill_instances: tuple[str, ...]
@@ -69,6 +77,8 @@ class ConductorConfig:
     error_quantile: float = 0.5
     best_effort_idle_fraction: float | None = 0.25
     learn_instance_speed: bool = False
+    store: bool = False
+    exhaustive_up_to: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,6 +89,8 @@ class ConductorConfig:
                 raise ConfigError(f"{what} instance names must be unique", instances=list(names))
         if set(self.prefill_instances) & set(self.decode_instances):
             raise ConfigError("an instance cannot be both prefill and decode")
+        if STORE in self.prefill_instances or STORE in self.decode_instances:
+            raise ConfigError(f"{STORE!r} names the store, not an instance")
         for name in ("ttft_slo_s", "tbt_slo_s", "expected_output_tokens"):
             v = getattr(self, name)
             if not math.isfinite(v) or v <= 0:
@@ -112,9 +124,14 @@ class Conductor:
     def __init__(self, config: ConductorConfig) -> None:
         self.config = config
         self.index = CacheIndex(config.prefill_instances)
+        self.store_index = BlockCache() if config.store else None
         self._prefill = {name: PrefillView() for name in config.prefill_instances}
         self._decode = {name: DecodeView(config.decode_model) for name in config.decode_instances}
-        self._links = LinkBook(config.transfer_model)
+        self._links = LinkBook(config.transfer_model, frozenset({STORE}))
+        large = len(config.prefill_instances) > config.exhaustive_up_to
+        self._order = LoadOrder(config.prefill_instances) if large else None
+        # first block key of each queued request -> instance -> how many (large pools only)
+        self._queued_first: dict[int, dict[str, int]] = {}
         self._rng = random.Random(config.seed)
         self._pending: dict[int, _Pending] = {}
         self._out_tokens = config.expected_output_tokens
@@ -128,9 +145,16 @@ class Conductor:
         if req.request_id in self._pending:
             raise ConfigError("request already scheduled", request_id=req.request_id)
         cfg = self.config
+        store_blocks = None
+        if self.store_index is not None:
+            store_blocks = req.store_blocks
+            if store_blocks is None:
+                store_blocks = self.store_index.match(req.block_hashes)
         ctx = PlanContext(
             now, cfg.prefill_instances, self.index, self._prefill, cfg.prefill_model,
             cfg.transfer_model, self._links, cfg.block_tokens, cfg.balancing_threshold, self._rng,
+            store_blocks, self._order, self._queued_first,
+            1 / _MAX_SLOWDOWN if cfg.learn_instance_speed else 1.0,
         )  # fmt: skip
         plan = self._place(ctx, req)
         decode, tbt, fits = self._choose_decode(req, plan, now)
@@ -254,16 +278,29 @@ class Conductor:
             ready = (
                 max(ready, booked) if self.config.placement is PlacementPolicy.ADAPTIVE else ready
             )
-        self._prefill[plan.instance].add(
-            req.request_id, now, ready, plan.prefill_s, req.block_hashes
-        )
+        view = self._prefill[plan.instance]
+        view.add(req.request_id, now, ready, plan.prefill_s, req.block_hashes)
+        if self._order is not None:
+            self._order.update(plan.instance, view.drain_time(now))
+            if req.block_hashes:
+                holders = self._queued_first.setdefault(req.block_hashes[0], {})
+                holders[plan.instance] = holders.get(plan.instance, 0) + 1
         self._decode[decode].add(req.request_id, now + plan.ttft_s, req.prompt_tokens)
         self._pending[req.request_id] = _Pending(now, plan.ttft_s, plan.instance, decode)
 
     # ---- reports from instances --------------------------------------------------------------
 
     def apply_cache_event(self, event: CacheEvent) -> None:
-        """A prefill instance stored, removed or cleared prefix blocks."""
+        """A prefill instance (or the store, :data:`~.types.STORE`) stored, removed or cleared
+        prefix blocks."""
+        if event.instance == STORE and self.store_index is not None:
+            if isinstance(event, BlockStored):
+                self.store_index.store(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.store_index.remove(event.block_hashes)
+            else:
+                self.store_index.clear()
+            return
         self.index.apply(event)
 
     def prefill_finished(self, request_id: int, now: float) -> None:
@@ -272,7 +309,16 @@ class Conductor:
         if p is None:
             raise ConfigError("prefill_finished for an unknown request", request_id=request_id)
         view = self._prefill[p.prefill]
-        view.finish(request_id, now)
+        keys = view.finish_keys(request_id, now)
+        if self._order is not None:
+            self._order.update(p.prefill, view.drain_time(now))
+            if keys:
+                holders = self._queued_first[keys[0]]
+                holders[p.prefill] -= 1
+                if not holders[p.prefill]:
+                    del holders[p.prefill]
+                    if not holders:
+                        del self._queued_first[keys[0]]
         if self.config.learn_instance_speed and p.est_ttft_s > 0:
             # Geometric moving average of actual / estimated: the estimate already carries the
             # current factor, so the product tracks the instance's real speed; bounded so that
@@ -319,6 +365,9 @@ class Conductor:
                 self._prefill[instance].external_s = prefill_s
             except KeyError:
                 raise ConfigError(f"unknown prefill instance {instance!r}") from None
+            if self._order is not None:
+                now = self._prefill[instance].anchor
+                self._order.update(instance, self._prefill[instance].drain_time(now))
         if decode_requests is not None or decode_kv_tokens is not None:
             view = self._decode.get(instance)
             if view is None:

@@ -10,6 +10,7 @@ come, so errors do not accumulate.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import OrderedDict
 
 from .estimators import DecodeModel
@@ -70,11 +71,19 @@ class PrefillView:
         for k in block_hashes:
             self._pending[k] = self._pending.get(k, 0) + 1
 
+    @property
+    def anchor(self) -> float:
+        return self._anchor
+
     def finish(self, request_id: int, now: float) -> bool:
         """Drop a finished request; False when it was not queued here."""
+        return self.finish_keys(request_id, now) is not None
+
+    def finish_keys(self, request_id: int, now: float) -> tuple[int, ...] | None:
+        """Drop a finished request; its block keys, or None when it was not queued here."""
         item = self._queue.pop(request_id, None)
         if item is None:
-            return False
+            return None
         for k in item.block_hashes:
             left = self._pending[k] - 1
             if left:
@@ -82,7 +91,7 @@ class PrefillView:
             else:
                 del self._pending[k]
         self._anchor = now
-        return True
+        return item.block_hashes
 
     def pending_match(self, keys: tuple[int, ...], start: int) -> int:
         """Extend a cached prefix of ``start`` blocks with blocks queued requests will store."""
@@ -155,3 +164,46 @@ class DecodeView:
                 kv += r.prompt_tokens + out_tokens / 2
                 reserved += r.prompt_tokens + out_tokens
         return batch, kv, reserved
+
+
+class LoadOrder:
+    """Prefill instances ordered by a lower bound of when each is free of its queued work.
+
+    A large pool's placement looks at the instances that hold part of the prompt, then at the
+    least loaded others in this order, and stops as soon as the bound says no further instance
+    can beat the best plan so far. The bound is the drain time computed at the instance's last
+    change: drain time never decreases while the queue is unchanged, so it stays a lower bound.
+    A min-heap with stale entries skipped (each change pushes a new entry), rebuilt when stale
+    entries outnumber live ones.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._rank = {n: i for i, n in enumerate(names)}
+        self._version = dict.fromkeys(names, 0)
+        self._heap: list[tuple[float, int, int, str]] = [
+            (0.0, i, 0, n) for i, n in enumerate(names)
+        ]
+        heapq.heapify(self._heap)
+        self._bound = dict.fromkeys(names, 0.0)
+
+    def update(self, name: str, free_at: float) -> None:
+        v = self._version[name] + 1
+        self._version[name] = v
+        self._bound[name] = free_at
+        heapq.heappush(self._heap, (free_at, self._rank[name], v, name))
+        if len(self._heap) > 2 * len(self._version) + 64:
+            self._heap = [(self._bound[n], self._rank[n], v, n) for n, v in self._version.items()]
+            heapq.heapify(self._heap)
+
+    def pop(self) -> tuple[float, int, int, str] | None:
+        """The next live entry (lowest bound first); give it back with :meth:`restore`."""
+        heap = self._heap
+        while heap:
+            item = heapq.heappop(heap)
+            if self._version[item[3]] == item[2]:
+                return item
+        return None
+
+    def restore(self, items: list[tuple[float, int, int, str]]) -> None:
+        for item in items:
+            heapq.heappush(self._heap, item)

@@ -8,6 +8,11 @@ import math
 
 from ..errors import ConfigError
 
+# The prefix source of global-cache and adaptive in a store deployment: every prefill instance
+# saves its prompts' KV to the distributed store and loads any prefix held there, so "fetch"
+# means "load from the store" rather than "copy from one named instance".
+STORE = "store"
+
 
 class PlacementPolicy(enum.Enum):
     """How the prefill instance is chosen (the Mooncake paper's Figure 5 plus ours)."""
@@ -47,10 +52,15 @@ class ScheduleRequest:
     request_id: int
     prompt_tokens: int
     block_hashes: tuple[int, ...]
+    # Leading blocks of this prompt the store holds, when the caller asked the store (a live
+    # proxy asks its master); None: the conductor's own store index answers (store events).
+    store_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0:
             raise ConfigError("prompt_tokens must be > 0", request_id=self.request_id)
+        if self.store_blocks is not None and self.store_blocks < 0:
+            raise ConfigError("store_blocks must be >= 0", request_id=self.request_id)
 
 
 @dataclasses.dataclass(frozen=True)
