@@ -164,7 +164,8 @@ def proxy(
         str,
         typer.Option(
             help="round-robin, or the conductor's placement: local-cache (cache-aware), "
-            "load-balance, random."
+            "load-balance, random; with the store (--store-master, --store-keys) also "
+            "global-cache and adaptive, which load prefixes from the store."
         ),
     ] = "round-robin",
     admission: Annotated[
@@ -211,6 +212,21 @@ def proxy(
             "ran (instances that share hardware or drift from their profile)."
         ),
     ] = False,
+    store_master: Annotated[
+        str | None,
+        typer.Option(help="The store's master (host:port or etcd://...): the global cache index."),
+    ] = None,
+    store_keys: Annotated[
+        str | None,
+        typer.Option(
+            help="Store key of one layer of a block, {block} for the block hash, e.g. "
+            "vllm/MODEL/LAYOUT/tp0-1.pp0-1/{block}/model.layers.0.self_attn.attn."
+        ),
+    ] = None,
+    store_load: Annotated[
+        str | None,
+        typer.Option(help="PER_TOKEN_S,LATENCY_S of a store load (default: measured at start)."),
+    ] = None,
     layerwise_push: Annotated[
         bool,
         typer.Option(
@@ -228,7 +244,7 @@ def proxy(
         raise SystemExit(
             f"the proxy needs aiohttp ({exc}): pip install 'mooncake-connectors[proxy]'"
         ) from exc
-    from .conductor.estimators import DecodeModel, PrefillModel
+    from .conductor.estimators import DecodeModel, PrefillModel, TransferModel
     from .conductor.live import CacheSource
     from .conductor.proxy import ConductorOptions
     from .conductor.types import Admission, PlacementPolicy
@@ -254,6 +270,10 @@ def proxy(
             if decode_model:
                 b, s, k, cap = _floats(decode_model, 4, "--decode-model")
                 dm = DecodeModel(b, s, k, int(cap))
+            load = None
+            if store_load:
+                per_token, latency = _floats(store_load, 2, "--store-load")
+                load = TransferModel(1.0 / per_token if per_token > 0 else 0.0, 1, latency)
             options = ConductorOptions(
                 placement=PlacementPolicy(policy),
                 admission=Admission(admission),
@@ -267,11 +287,16 @@ def proxy(
                 expected_output_tokens=expected_output_tokens,
                 metrics_interval_s=metrics_interval,
                 learn_instance_speed=learn_instance_speed,
+                store_master=store_master,
+                store_keys=store_keys,
+                store_load=load,
             )
         except (ValueError, ConfigError) as exc:
             raise typer.BadParameter(str(exc)) from exc
-    elif kv_events:
-        raise typer.BadParameter("--kv-events needs a conductor policy (e.g. --policy local-cache)")
+    elif kv_events or store_master or store_keys:
+        raise typer.BadParameter(
+            "--kv-events and --store-* need a conductor policy (e.g. --policy local-cache)"
+        )
     typer.echo(
         f"PD proxy on http://{host}:{port} policy={policy} prefill={prefill} decode={decode}",
         err=True,
@@ -708,6 +733,24 @@ def bench_conductor_live(
             progress=advance,
         )
     _emit(result, output)
+
+
+@bench_app.command("conductor-scale")
+def bench_conductor_scale(
+    instances: Annotated[int, typer.Option(min=1, help="Prefill instances.")] = 10_000,
+    decode: Annotated[int, typer.Option(min=1, help="Decode instances.")] = 64,
+    blocks: Annotated[int, typer.Option(min=1, help="Cached blocks in the index, in all.")] = (
+        1_000_000
+    ),
+    decisions: Annotated[int, typer.Option(min=1, help="Decisions timed per policy.")] = 5_000,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Time of one conductor decision, and index memory, in a large simulated pool."""
+    _setup_logging(verbose)
+    from .bench.conductor_scale import run_scale
+
+    _emit(run_scale(instances=instances, decode=decode, blocks=blocks, decisions=decisions), output)
 
 
 @bench_app.command("store")

@@ -212,6 +212,19 @@ class CacheIndex:
                 best, holder = m, name
         return best, holder
 
+    def holder_count(self, key: int) -> int:
+        h = self._holders.get(key)
+        return 0 if h is None else 1 if isinstance(h, str) else len(h)
+
+    def prefix_upper_bound(self, keys: Sequence[int]) -> int:
+        """Leading ``keys`` each held by some instance: no instance matches more."""
+        n = 0
+        for k in keys:
+            if k not in self._holders:
+                break
+            n += 1
+        return n
+
     @property
     def indexed_keys(self) -> int:
         """Distinct block keys held by at least one instance."""

@@ -13,6 +13,9 @@ The conductor plans with a prefill time model ``a + b·new + c·(n² - p²)`` an
   difference over ``decode_tokens - 1`` is the step time at batch 1; ``batch`` concurrent answers
   give its growth per sequence. KV capacity comes from ``vllm:cache_config_info``.
 
+- **store load** (:func:`calibrate_store_load`, only for a store deployment): what loading a
+  prefix from the store costs a prefill instance, against computing it.
+
 It costs a few seconds per instance and sends only throw-away prompts. A deployment that knows its
 numbers passes them instead (``--prefill-model``, ``--decode-model``; see docs/conductor.md).
 """
@@ -27,11 +30,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout
 
 from ..errors import ConfigError
-from .estimators import DecodeModel, PrefillModel, fit_prefill_model
+from .estimators import DecodeModel, PrefillModel, TransferModel, fit_prefill_model
 from .live import parse_vllm_metrics
+from .store_probe import StoreProbe
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024, 1536)
 
@@ -175,3 +180,97 @@ async def _calibrate(
             capacity_tokens=capacity,
         )  # fmt: skip
     return Calibration(model, max_len, load.block_size, pmodel, dmodel, tuple(samples))
+
+
+def _metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def calibrate_store_load(
+    prefill: Sequence[str],
+    probe: StoreProbe,
+    pmodel: PrefillModel,
+    *,
+    lengths: Sequence[int] = (256, 1024),
+    timeout: float = 120.0,
+    save_timeout: float = 30.0,
+    seed: int = 1,
+) -> tuple[TransferModel, dict[str, Any]]:
+    """Measure what loading a prefix from the store costs a prefill instance.
+
+    For each length: the first instance computes a fresh prompt (its store connector saves the
+    blocks when the request ends); once the store lists them, the second instance answers a
+    fresh prompt of the same length (nothing cached) and then the saved one (loaded from the
+    store). The load time is the difference plus the prefill the load saved (from ``pmodel``);
+    ``latency + tokens / rate`` is fitted to the lengths. The second instance's
+    ``vllm:external_prefix_cache_hits`` must rise, or its store connector is missing and the
+    start is refused. The result is a :class:`TransferModel` in tokens (``kv_bytes_per_token``
+    1, ``bandwidth_bytes_per_s`` in tokens per second).
+    """
+    if len(prefill) < 2:
+        raise ConfigError("loading prefixes from the store needs at least two prefill instances")
+    src, dst = prefill[0], prefill[1]
+    rng = random.Random(seed)
+    samples: list[tuple[int, float]] = []
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=timeout)) as s:
+            model = str((await _json(s, "GET", src + "/v1/models"))["data"][0]["id"])
+            text = " ".join(f"v{rng.randrange(10**6)}" for _ in range(3000))
+            pool = (await _json(s, "POST", src + "/tokenize", {"model": model, "prompt": text}))[
+                "tokens"
+            ]
+            for n in lengths:
+                saved = [rng.choice(pool) for _ in range(n)]
+                fresh = [rng.choice(pool) for _ in range(n)]
+                await _prefill_seconds(s, src, model, saved)
+                want = len(probe.keys(saved))
+                deadline = time.monotonic() + save_timeout
+                held = 0
+                while (held := await asyncio.to_thread(probe.held_blocks, saved)) < want:
+                    if time.monotonic() > deadline:
+                        raise ConfigError(
+                            f"the store lists {held} of the {want} blocks {src} should have "
+                            f"saved: is its store connector on, and the key template right? "
+                            f"(probe: {probe.stats()})"
+                        )
+                    await asyncio.sleep(0.05)
+                async with s.get(dst + "/metrics") as r:
+                    hits0 = _metric_sum(await r.text(), "vllm:external_prefix_cache_hits_total")
+                base = await _prefill_seconds(s, dst, model, fresh)
+                loaded = await _prefill_seconds(s, dst, model, saved)
+                async with s.get(dst + "/metrics") as r:
+                    hits1 = _metric_sum(await r.text(), "vllm:external_prefix_cache_hits_total")
+                if hits1 <= hits0:
+                    raise ConfigError(
+                        f"{dst} did not load a prefix the store holds "
+                        "(vllm:external_prefix_cache_hits unchanged): run the prefill instances "
+                        "with MultiConnector over MooncakeConnectorsPD and MooncakeConnectorsStore"
+                    )
+                tokens = held * probe.block_size
+                saved_prefill = pmodel.time(n) - pmodel.time(n, tokens)
+                samples.append((tokens, max(0.0, loaded - base + saved_prefill)))
+    except (ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"measuring the store load failed: {exc!r}") from exc
+    xs = np.array([t for t, _ in samples], dtype=float)
+    ys = np.array([y for _, y in samples], dtype=float)
+    if len(set(xs.tolist())) >= 2:
+        slope, icpt = np.polyfit(xs, ys, 1)
+    else:
+        slope, icpt = float(ys.mean() / max(xs.mean(), 1.0)), 0.0
+    per_token = max(float(slope), 1e-9)  # a load is never free, however noisy the measure
+    latency = max(float(icpt), 0.0)
+    model_out = TransferModel(1.0 / per_token, 1, latency)
+    report = {
+        "samples": [list(x) for x in samples],
+        "per_token_s": per_token,
+        "latency_s": latency,
+        "source": src,
+        "loader": dst,
+    }
+    return model_out, report

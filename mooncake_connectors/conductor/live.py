@@ -37,6 +37,7 @@ from .cache_index import BlockStored
 from .hashing import prefix_block_hashes
 from .kv_events import VllmEventTranslator
 from .scheduler import Conductor
+from .store_probe import StoreProbe
 from .types import Placement, Rejection, ScheduleRequest
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,10 @@ class LiveConductor:
         cache_source: CacheSource,
         clock: Callable[[], float] = time.monotonic,
         decision_log: int = 256,
+        store: StoreProbe | None = None,
     ) -> None:
         self.conductor = conductor
+        self.store = store  # asked per request by the proxy (blocking: on a worker thread)
         self.cache_source = cache_source
         self.block_tokens = conductor.config.block_tokens
         self.clock = clock
@@ -147,22 +150,28 @@ class LiveConductor:
     # ---- per request -------------------------------------------------------------------------
 
     def schedule(
-        self, token_ids: Sequence[int], n_prompt: int | None = None
+        self,
+        token_ids: Sequence[int],
+        n_prompt: int | None = None,
+        store_blocks: int | None = None,
     ) -> Placement | Rejection:
-        """Place (or refuse) a prompt; ``n_prompt`` overrides the token count (batched prompts)."""
+        """Place (or refuse) a prompt; ``n_prompt`` overrides the token count (batched prompts);
+        ``store_blocks``: leading blocks of it the store holds (:class:`StoreProbe`)."""
         n = len(token_ids) if n_prompt is None else n_prompt
         if n <= 0:
             raise ConfigError("a prompt needs at least one token")
         keys = tuple(prefix_block_hashes(token_ids, self.block_tokens))
         rid = next(self._ids)
         now = self.clock()
-        decision = self.conductor.schedule(ScheduleRequest(rid, n, keys), now)
+        decision = self.conductor.schedule(ScheduleRequest(rid, n, keys, store_blocks), now)
         self._prompt_ewma = (
             float(n)
             if self._prompt_ewma is None
             else self._prompt_ewma + 0.1 * (n - self._prompt_ewma)
         )
         entry: dict[str, Any] = {"id": rid, "prompt_tokens": n, "blocks": len(keys)}
+        if store_blocks is not None:
+            entry["store_blocks"] = store_blocks
         if isinstance(decision, Placement):
             self.counters["placed"] += 1
             self._flights[rid] = _Flight(decision.prefill, decision.decode, now, keys, entry)
@@ -170,6 +179,7 @@ class LiveConductor:
                 prefill=decision.prefill,
                 decode=decision.decode,
                 cached_blocks=decision.local_blocks,
+                load_blocks=decision.fetch_blocks,
                 est_ttft_s=round(decision.est_ttft_s, 4),
                 est_queue_s=round(decision.est_queue_s, 4),
                 est_tbt_s=round(decision.est_tbt_s, 4),
@@ -260,6 +270,8 @@ class LiveConductor:
         c = self.conductor
         return {
             "cache_source": self.cache_source.value,
+            "store": None if self.store is None else self.store.stats(),
+            "store_load": dataclasses.asdict(c.config.transfer_model) if c.config.store else None,
             "block_tokens": self.block_tokens,
             "placement": c.config.placement.value,
             "admission": c.config.admission.value,

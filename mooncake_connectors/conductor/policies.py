@@ -78,13 +78,31 @@ def _local_plan(ctx: PlanContext, req: ScheduleRequest, inst: str, local: int) -
 
 
 PlanFor = Callable[[str, int], PrefillPlan]
+# floor(q, m, may_pend): a lower bound of key[0] for an instance whose queue is at least q seconds
+# and whose own cached prefix is at most m blocks (plus blocks its queued work will store when
+# may_pend)
+Floor = Callable[[float, int, bool], float]
+
+# Large pools: a prompt whose first block is held by more than the larger of _EXPLICIT_HOLDERS
+# and one in _POPULAR_SHARE instances is searched lazily (the least loaded instances first, each
+# matched as it comes: with that share, a walk of _MAX_WALK instances misses every holder with
+# odds below 1e-3), and at most _MAX_WALK instances are taken from the load order per decision.
+_EXPLICIT_HOLDERS = 64
+_POPULAR_SHARE = 16
+_MAX_WALK = 128
+
+
+def _popular(ctx: PlanContext, req: ScheduleRequest) -> bool:
+    keys = req.block_hashes
+    limit = max(_EXPLICIT_HOLDERS, len(ctx.instances) // _POPULAR_SHARE)
+    return bool(keys) and ctx.index.holder_count(keys[0]) > limit
 
 
 def _search(
     ctx: PlanContext,
     req: ScheduleRequest,
     plan_for: PlanFor,
-    floor: Callable[[float], float],
+    floor: Floor,
     key: Callable[[PrefillPlan], tuple[float, ...]],
     matches: Mapping[str, int] | None = None,
 ) -> PrefillPlan:
@@ -92,31 +110,47 @@ def _search(
 
     Small pools (no ``ctx.order``): every instance is costed. Large ones: the instances holding
     part of the prompt (or queued work that will) are costed, then the others from the least
-    loaded up, until ``floor(queue lower bound)`` (a lower bound of ``key[0]`` of an instance
-    that holds nothing) reaches the best so far; the work is then independent of the pool size.
+    loaded up, until ``floor`` of the next one reaches the best so far. A prefix held by many
+    instances is not expanded holder by holder: instances come from the load order and are
+    matched one by one, and the floor assumes the longest prefix held anywhere. At most
+    ``_MAX_WALK`` instances come from the load order: past that, an instance could beat the
+    best plan found only by a longer cached prefix than the ones seen, behind a longer queue.
     """
+    keys = req.block_hashes
     if ctx.order is None:
-        m = ctx.index.matches(req.block_hashes) if matches is None else matches
+        m = ctx.index.matches(keys) if matches is None else matches
         return min((plan_for(i, m[i]) for i in ctx.instances), key=key)
-    holders = dict(ctx.index.holder_matches(req.block_hashes) if matches is None else matches)
-    if req.block_hashes and ctx.queued_first is not None:
-        for name in ctx.queued_first.get(req.block_hashes[0], ()):
-            holders.setdefault(name, 0)
+    lazy = _popular(ctx, req)
+    holders: dict[str, int] = {}
+    if not lazy:
+        holders = dict(ctx.index.holder_matches(keys) if matches is None else matches)
+        if keys and ctx.queued_first is not None:
+            for name in ctx.queued_first.get(keys[0], ()):
+                holders.setdefault(name, 0)
+    cap = ctx.index.prefix_upper_bound(keys) if lazy else 0
     best: PrefillPlan | None = None
-    for inst in sorted(holders):
-        plan = plan_for(inst, holders[inst])
-        if best is None or key(plan) < key(best):
-            best = plan
-    popped = []
+    if holders:
+        # least loaded first; stop once even the longest prefix held cannot beat the best
+        order = ctx.order
+        cap_h = max(holders.values())
+        for free_at, inst in sorted((order.bound(i), i) for i in holders):
+            q = max(0.0, free_at - ctx.now)
+            if best is not None and floor(q, cap_h, q > 0) >= key(best)[0]:
+                break
+            plan = plan_for(inst, holders[inst])
+            if best is None or key(plan) < key(best):
+                best = plan
+    popped: list[tuple[float, int, int, str]] = []
     try:
-        while (item := ctx.order.pop()) is not None:
+        while len(popped) < _MAX_WALK and (item := ctx.order.pop()) is not None:
             popped.append(item)
             free_at, _, _, name = item
             if name in holders:
                 continue
-            if best is not None and floor(max(0.0, free_at - ctx.now)) >= key(best)[0]:
+            q = max(0.0, free_at - ctx.now)
+            if best is not None and floor(q, cap, lazy and q > 0) >= key(best)[0]:
                 break
-            plan = plan_for(name, 0)
+            plan = plan_for(name, ctx.index.match(name, keys) if lazy else 0)
             if best is None or key(plan) < key(best):
                 best = plan
     finally:
@@ -140,26 +174,29 @@ def place_load_balance(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
         return _local_plan(ctx, req, inst, ctx.index.match(inst, req.block_hashes))
     return _search(
         ctx, req, lambda i, _m: _local_plan(ctx, req, i, ctx.index.match(i, req.block_hashes)),
-        lambda q: q, lambda p: (p.queue_s,), matches={},
+        lambda q, _m, _p: q, lambda p: (p.queue_s,), matches={},
     )  # fmt: skip
 
 
 def place_local_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
-    p0 = ctx.min_slowdown * ctx.prefill_model.time(req.prompt_tokens)
+    def floor(q: float, m: int, _pend: bool) -> float:
+        cached = _tokens(m, req, ctx.block_tokens)
+        return q + ctx.min_slowdown * ctx.prefill_model.time(req.prompt_tokens, cached)
+
     # equal estimates (a flat profile, rounding): the longer cached prefix wins
     return _search(
-        ctx, req, lambda i, m: _local_plan(ctx, req, i, m), lambda q: q + p0,
+        ctx, req, lambda i, m: _local_plan(ctx, req, i, m), floor,
         lambda p: (p.ttft_s, -p.local_blocks),
     )  # fmt: skip
 
 
 def _source(
-    ctx: PlanContext, req: ScheduleRequest, matches: Mapping[str, int]
+    ctx: PlanContext, req: ScheduleRequest, matches: Mapping[str, int] | None
 ) -> tuple[str | None, int]:
     """Where a fetched prefix comes from and how many leading blocks it has."""
     if ctx.store_blocks is not None:
         return STORE, min(ctx.store_blocks, len(req.block_hashes))
-    if not matches:
+    if not matches:  # None only with the store (see _matches)
         return None, 0
     if ctx.order is None:
         holder = max(ctx.instances, key=lambda i: matches[i])
@@ -168,9 +205,12 @@ def _source(
     return holder, matches[holder]
 
 
-def _matches(ctx: PlanContext, req: ScheduleRequest) -> dict[str, int]:
+def _matches(ctx: PlanContext, req: ScheduleRequest) -> dict[str, int] | None:
+    """Every instance's match (small pools), the holders' (large), or None: searched lazily."""
     if ctx.order is None:
         return ctx.index.matches(req.block_hashes)
+    if ctx.store_blocks is not None and _popular(ctx, req):
+        return None  # the store is the source: no holder needs naming
     return ctx.index.holder_matches(req.block_hashes)
 
 
@@ -196,11 +236,15 @@ def place_global_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
         )  # fmt: skip
 
     s = ctx.min_slowdown
-    if best > 0:
-        fixed = ctx.transfer.time(best_tokens) + s * prefill_best
-    else:
-        fixed = s * ctx.prefill_model.time(req.prompt_tokens)
-    return _search(ctx, req, plan_for, lambda q: q + fixed, _ttft, matches)
+
+    def floor(q: float, m: int, _pend: bool) -> float:
+        own = _tokens(m, req, ctx.block_tokens)
+        local = s * ctx.prefill_model.time(req.prompt_tokens, own)
+        if best_holder is None or best <= m:
+            return q + local
+        return q + min(local, ctx.transfer.time(best_tokens - own) + s * prefill_best)
+
+    return _search(ctx, req, plan_for, floor, _ttft, matches)
 
 
 def place_adaptive(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
@@ -228,11 +272,15 @@ def place_adaptive(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
         return plan
 
     s = ctx.min_slowdown
-    p0 = s * ctx.prefill_model.time(req.prompt_tokens)
-    t0 = ctx.transfer.time(best_tokens)
+    n_keys = len(req.block_hashes)
 
-    def floor(q: float) -> float:
-        return min(q + p0, max(q, t0) + s * prefill_best) if best > 0 else q + p0
+    def floor(q: float, m: int, pend: bool) -> float:
+        own = _tokens(m, req, ctx.block_tokens)
+        cached = _tokens(n_keys, req, ctx.block_tokens) if pend else own
+        local = q + s * ctx.prefill_model.time(req.prompt_tokens, cached)
+        if best_holder is None or best <= m:
+            return local
+        return min(local, max(q, ctx.transfer.time(best_tokens - own)) + s * prefill_best)
 
     return _search(ctx, req, plan_for, floor, _ttft, matches)
 

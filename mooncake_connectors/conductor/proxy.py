@@ -51,6 +51,7 @@ from ..pd import params as pdp
 from .estimators import DecodeModel, PrefillModel, TransferModel
 from .live import CacheSource, KVEventSubscriber, LiveConductor, parse_vllm_metrics
 from .scheduler import Conductor, ConductorConfig
+from .store_probe import StoreProbe
 from .types import Admission, Placement, PlacementPolicy, Rejection
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class PDProxy:
                 await self._poller
         for sub in self.events:
             await sub.stop()
+        if self.live is not None and self.live.store is not None:
+            self.live.store.close()
         if self._session is not None:
             await self._session.close()
 
@@ -322,7 +325,11 @@ class PDProxy:
             return _error(400, str(exc), "invalid_request_error")
         except UpstreamError as exc:
             return _error(502, str(exc), "upstream_error")
-        decision = live.schedule(tokens, n)
+        store_blocks = None
+        if live.store is not None:
+            # one Exists call to the store's master, bounded by the probe's timeout
+            store_blocks = await asyncio.to_thread(live.store.held_blocks, tokens)
+        decision = live.schedule(tokens, n, store_blocks)
         if isinstance(decision, Rejection):
             return _rejection(decision, live)
         headers = _placement_headers(decision)
@@ -432,17 +439,20 @@ def _placement_headers(p: Placement) -> dict[str, str]:
         "x-conductor-prefill": p.prefill,
         "x-conductor-decode": p.decode,
         "x-conductor-cached-blocks": str(p.local_blocks),
+        "x-conductor-load-blocks": str(p.fetch_blocks),
         "x-conductor-est-ttft-ms": f"{p.est_ttft_s * 1e3:.1f}",
     }
 
 
-# Placements a live proxy can carry out: global-cache and adaptive may plan a prefix fetch between
-# prefill instances, which needs the store connector on the prefill side (not wired here).
+# Placements a live proxy can carry out on its own; the fetching ones (global-cache, adaptive)
+# plan a prefix load, which the prefill instances' store connector carries out: they need the
+# store (``store_master`` and ``store_keys``).
 LIVE_PLACEMENTS = (
     PlacementPolicy.RANDOM,
     PlacementPolicy.LOAD_BALANCE,
     PlacementPolicy.LOCAL_CACHE,
 )
+STORE_PLACEMENTS = (PlacementPolicy.GLOBAL_CACHE, PlacementPolicy.ADAPTIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,14 +471,26 @@ class ConductorOptions:
     expected_output_tokens: float = 64.0
     metrics_interval_s: float = 1.0
     learn_instance_speed: bool = False
+    # The store as global cache index (see .store_probe): its master and key template; the
+    # load model (seconds per token and fixed cost) is measured at start unless given.
+    store_master: str | None = None
+    store_keys: str | None = None
+    store_load: TransferModel | None = None
+    store_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.placement not in LIVE_PLACEMENTS:
+        if (self.store_master is None) != (self.store_keys is None):
+            raise ConfigError("the store needs both its master and its key template")
+        if self.placement in STORE_PLACEMENTS and self.store_master is None:
             raise ConfigError(
                 f"placement {self.placement.value!r} plans prefix fetches between prefill "
-                "instances, which the proxy cannot carry out; use one of "
+                "instances, which only the store carries out: run the prefill instances with "
+                "MultiConnector over MooncakeConnectorsPD and MooncakeConnectorsStore and give "
+                "the store's master and key template; or use one of "
                 + ", ".join(p.value for p in LIVE_PLACEMENTS)
             )
+        if self.placement not in (*LIVE_PLACEMENTS, *STORE_PLACEMENTS):
+            raise ConfigError(f"placement {self.placement.value!r} cannot run live")
         if self.metrics_interval_s <= 0:
             raise ConfigError("metrics_interval_s must be > 0")
 
@@ -501,12 +523,28 @@ async def build_conductor(
         cal = await calibrate(prefill, decode)
         report = cal.as_dict()
         pmodel, dmodel, block = pmodel or cal.prefill, dmodel or cal.decode, block or cal.block_size
+    probe = None
+    transfer = TransferModel(1e9, 1)  # costs fetches, which only the store's placements plan
+    if options.store_master is not None and options.store_keys is not None:
+        probe = StoreProbe(
+            options.store_master, options.store_keys, block, timeout=options.store_timeout_s
+        )
+        transfer = options.store_load or TransferModel(1e9, 1)
+        if options.placement in STORE_PLACEMENTS and options.store_load is None:
+            from .calibrate import calibrate_store_load
+
+            try:
+                transfer, load_report = await calibrate_store_load(prefill, probe, pmodel)
+            except BaseException:
+                probe.close()
+                raise
+            report = {**(report or {}), "store_load": load_report}
     cfg = ConductorConfig(
         prefill_instances=tuple(prefill),
         decode_instances=tuple(decode),
         prefill_model=pmodel,
-        # only used to cost prefix fetches, which live placements never plan
-        transfer_model=TransferModel(1e9, 1),
+        transfer_model=transfer,
+        store=probe is not None,
         decode_model=dmodel,
         placement=options.placement,
         admission=options.admission,
@@ -516,7 +554,8 @@ async def build_conductor(
         expected_output_tokens=options.expected_output_tokens,
         learn_instance_speed=options.learn_instance_speed,
     )
-    return LiveConductor(Conductor(cfg), cache_source=options.cache_source), report
+    live = LiveConductor(Conductor(cfg), cache_source=options.cache_source, store=probe)
+    return live, report
 
 
 def run_proxy(

@@ -195,6 +195,9 @@ class LoadOrder:
             self._heap = [(self._bound[n], self._rank[n], v, n) for n, v in self._version.items()]
             heapq.heapify(self._heap)
 
+    def bound(self, name: str) -> float:
+        return self._bound[name]
+
     def pop(self) -> tuple[float, int, int, str] | None:
         """The next live entry (lowest bound first); give it back with :meth:`restore`."""
         heap = self._heap
