@@ -295,7 +295,7 @@ def proxy(
             raise typer.BadParameter(str(exc)) from exc
     elif kv_events or store_master or store_keys:
         raise typer.BadParameter(
-            "--kv-events and --store-* need a conductor policy (e.g. --policy local-cache)"
+            "--kv-events (or --store-*) needs a conductor policy (e.g. --policy local-cache)"
         )
     typer.echo(
         f"PD proxy on http://{host}:{port} policy={policy} prefill={prefill} decode={decode}",
