@@ -710,16 +710,34 @@ def bench_conductor_live(
     prefix_tokens: Annotated[int, typer.Option(min=32, help="Tokens of each prefix.")] = 1024,
     suffix_tokens: Annotated[int, typer.Option(min=1, help="Tokens after the prefix.")] = 64,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 8,
-    rounds: Annotated[int, typer.Option(min=1, help="Alternating runs of each policy.")] = 3,
+    rounds: Annotated[int, typer.Option(min=1, help="Alternating runs of each policy.")] = 2,
+    rate: Annotated[
+        float, typer.Option(min=0, help="Requests per second, open loop (0: one at a time).")
+    ] = 4.0,
+    slo: Annotated[
+        float | None, typer.Option(help="TTFT SLO in seconds for goodput (default: a factor).")
+    ] = None,
+    slo_factor: Annotated[
+        float, typer.Option(min=0, help="SLO = this x the profiled prefill of one prompt.")
+    ] = 3.0,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(help="Policies to compare (repeat; default all four)."),
+    ] = None,
     work_dir: WorkDir = None,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
-    """Real vLLM engines behind the PD proxy: round-robin vs cache-aware (KV events) TTFT."""
+    """Real vLLM engines and the store behind the PD proxy: TTFT and goodput per policy."""
     _setup_logging(verbose)
     from pathlib import Path
 
-    from .bench.conductor_live import run_conductor_benchmark
+    from .bench.conductor_live import POLICIES, run_conductor_benchmark
+
+    chosen = tuple(policy or POLICIES)
+    for p in chosen:
+        if p not in POLICIES:
+            raise typer.BadParameter(f"--policy {p!r}: one of {', '.join(POLICIES)}")
 
     with _progress("bench conductor-live") as advance:
         result = run_conductor_benchmark(
@@ -729,6 +747,10 @@ def bench_conductor_live(
             suffix_tokens=suffix_tokens,
             max_tokens=max_tokens,
             rounds=rounds,
+            rate=rate,
+            slo_s=slo,
+            slo_factor=slo_factor,
+            policies=chosen,
             work_dir=Path(work_dir) if work_dir else None,
             progress=advance,
         )
