@@ -16,9 +16,12 @@ its tokens and its parent's key (:func:`~.hashing.block_hash`), remembers vLLM h
 the blocks the instance holds, and maps removals through that table. A proxy then keys a prompt
 with :func:`~.hashing.prefix_block_hashes` and matches the same keys.
 
+SGLang publishes the same events in the same encoding (its ``--kv-events-config``; pages of
+``page_size`` tokens as blocks), so one translator serves both engines.
+
 Blocks whose KV depends on more than the tokens (LoRA, multimodal inputs, ``cache_salt``: any
-``extra_keys`` entry), blocks of another KV group or tier than the primary one, blocks of a
-size other than the proxy's, and blocks whose parent is unknown (an event missed) are skipped and
+``extra_keys`` entry, or SGLang's ``cache_salt`` field), blocks of another KV group or tier than
+the primary one, blocks of a size other than the proxy's, and blocks whose parent is unknown (an event missed) are skipped and
 counted: the index then under-reports what is cached, which costs a recompute, never a wrong
 answer (the engine checks its own cache).
 
@@ -136,7 +139,8 @@ class VllmEventTranslator:
             return None
         extra = event.get("extra_keys")
         lora = event.get("lora_name") is not None or event.get("lora_id") is not None
-        if lora or (extra and any(e is not None for e in extra)):
+        salted = event.get("cache_salt") is not None  # SGLang: its KV depends on the salt
+        if lora or salted or (extra and any(e is not None for e in extra)):
             self.stats.skipped_extra_keys += n
             return None
         if size != self.block_tokens or len(tokens) != n * size:
