@@ -22,8 +22,8 @@ SGLang publishes the same events in the same encoding (its ``--kv-events-config`
 Blocks whose KV depends on more than the tokens (LoRA, multimodal inputs, ``cache_salt``: any
 ``extra_keys`` entry, or SGLang's ``cache_salt`` field), blocks of another KV group or tier than
 the primary one, blocks of a size other than the proxy's, and blocks whose parent is unknown (an
-event missed) are skipped and counted: the index then under-reports what is cached, which costs a recompute, never a wrong
-answer (the engine checks its own cache).
+event missed) are skipped and counted: the index then under-reports what is cached, which costs
+a recompute, never a wrong answer (the engine checks its own cache).
 
 Pure and I/O-free; the ZMQ socket that feeds it lives in :mod:`.live`.
 """

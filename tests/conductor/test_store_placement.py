@@ -16,8 +16,8 @@ from mooncake_connectors.conductor import (
     PlacementPolicy,
     Rejection,
     ScheduleRequest,
+    policies,
 )
-from mooncake_connectors.conductor import policies
 from mooncake_connectors.conductor.cache_index import AllBlocksCleared
 from mooncake_connectors.conductor.types import STORE
 from mooncake_connectors.errors import ConfigError
