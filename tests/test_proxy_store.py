@@ -172,3 +172,61 @@ def test_store_load_calibration_refuses_a_single_instance() -> None:
             asyncio.run(calibrate_store_load(["http://127.0.0.1:1"], probe, PREFILL))
     finally:
         probe.close()
+
+
+class SavingInstance(Instance):
+    """A stand-in engine whose store connector saves every prompt it computes (as the vLLM store
+    connector does when a request finishes) and, with ``loads``, counts store hits."""
+
+    def __init__(self, name: str, c: StoreClient, probe: StoreProbe, loads: bool) -> None:
+        super().__init__(name)
+        self.client, self.probe, self.loads, self.hits = c, probe, loads, 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            keys = self.probe.keys(prompt)
+            present = await asyncio.to_thread(self.client.batch_exists, keys) if keys else []
+            if self.loads and present and present[0]:
+                self.hits += len(keys) * BS
+            for k, p in zip(keys, present, strict=True):
+                if not p:
+                    await asyncio.to_thread(self.client.put, k, b"kv")
+        return await super().handle(request)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        base = await super().metrics(request)
+        extra = f'vllm:external_prefix_cache_hits_total{{engine="0"}} {self.hits}.0\n'
+        return web.Response(text=base.text + extra)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("loads", [True, False])
+def test_store_load_calibration_needs_instances_that_load(
+    store: tuple[str, StoreClient], loads: bool
+) -> None:
+    """An instance that does not load from the store (no store connector) refuses the start."""
+    from mooncake_connectors.conductor.calibrate import calibrate_store_load
+
+    addr, c = store
+
+    async def go() -> None:
+        probe = StoreProbe(addr, TEMPLATE.replace("vllm/", f"cal{int(loads)}/"), BS)
+        engines = [SavingInstance(f"p{i}", c, probe, loads) for i in range(2)]
+        for e in engines:
+            await e.start()
+        try:
+            urls = [e.url for e in engines]
+            if loads:
+                model, report = await calibrate_store_load(urls, probe, PREFILL, lengths=(64, 256))
+                assert model.kv_bytes_per_token == 1 and model.bandwidth_bytes_per_s > 0
+                assert [s[0] for s in report["samples"]] == [63 // BS * BS, 255 // BS * BS]
+            else:
+                with pytest.raises(ConfigError, match="did not load a prefix the store holds"):
+                    await calibrate_store_load(urls, probe, PREFILL, lengths=(64, 256))
+        finally:
+            probe.close()
+            for e in engines:
+                await e.stop()
+
+    run(go())
