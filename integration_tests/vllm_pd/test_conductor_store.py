@@ -30,6 +30,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 from helpers import wait_until
 
+from mooncake_connectors.bench.conductor_live import (
+    events_config,
+    store_keys_template,
+    store_prefill_config,
+)
 from mooncake_connectors.bench.launch import (
     Server,
     StoreMaster,
@@ -50,40 +55,7 @@ PROMPT = 1000
 HITS = "vllm:external_prefix_cache_hits_total"
 # the store connector's keys (namespace, model_name, layout of the tiny model at BLOCK, rank 0),
 # one layer: what the proxy asks the master about
-KEYS = f"vllm/tiny/bfloat16.b{BLOCK}.h2x64/tp0-1.pp0-1/{{block}}/model.layers.1.self_attn.attn"
-
-
-def prefill_config(master: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": "MooncakeConnectorsPD",
-                    "kv_connector_module_path": "mooncake_connectors.adapters.vllm",
-                    "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"transfer_timeout": 10.0, "kv_lease": 30.0},
-                },
-                {
-                    "kv_connector": "MooncakeConnectorsStore",
-                    "kv_connector_module_path": "mooncake_connectors.adapters.vllm",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {
-                        "master": master, "model_name": "tiny", "timeout": 10.0,
-                    },
-                },
-            ]
-        },
-    }  # fmt: skip
-
-
-def events_config(endpoint: str) -> str:
-    return json.dumps(
-        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-         "topic": "kv-events"}
-    )  # fmt: skip
+KEYS = store_keys_template(BLOCK)
 
 
 def decode_config() -> dict[str, Any]:
@@ -132,7 +104,7 @@ def deployment(tiny_model: Path, log_dir: Path) -> Iterator[Deployment]:
             log_dir,
             tiny_model,
             core=i % 2,
-            kv_transfer_config=prefill_config(master.address),
+            kv_transfer_config=store_prefill_config(master.address),
             max_model_len=MAX_LEN,
             args=(
                 "--block-size",
