@@ -76,7 +76,18 @@ class _NicClash(_Describing):
 
 class _Ipc(_Describing):
     name = "ipc_like"
-    region_fields = {"cuda_ipc_handle": lambda r: r.addr.to_bytes(8, "little")}
+    region_fields = {
+        "cuda_exports": lambda r: [
+            {
+                "kind": "ipc",
+                "handle": r.addr.to_bytes(8, "little"),
+                "alloc_size": r.length,
+                "alloc_offset": 0,
+                "region_offset": 0,
+                "length": r.length,
+            }
+        ]
+    }
 
 
 class _Greedy(_Describing):
@@ -134,7 +145,8 @@ def test_fields_of_several_transports_are_merged_and_published(
     assert desc.rdma_gids == {"mlx5_0": "fe80::1", "mlx5_1": "fe80::2"}
     (region,) = desc.regions
     assert region.rdma_rkeys == {"mlx5_0": 11, "mlx5_1": 22}
-    assert region.cuda_ipc_handle == buf.addr.to_bytes(8, "little")
+    (export,) = region.cuda_exports  # a plain dict came in, a typed CudaExport went out
+    assert export.handle == buf.addr.to_bytes(8, "little") and export.length == 4096
     assert region.memfd == -1  # shm is not enabled, so nobody published the memfd
 
 
