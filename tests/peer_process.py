@@ -62,6 +62,12 @@ def main() -> None:
                     addr = int(arr.ctypes.data)
                     keep[addr] = arr
                 reply = {"addr": addr}
+            elif cmd == "free":
+                assert engine is not None
+                engine.unregister(msg["addr"])
+                reply = {}
+            elif cmd == "fake_calls":  # what the fake CUDA driver was asked, by call name
+                reply = {"calls": {c: fake.calls.count(c) for c in set(fake.calls)}}
             elif cmd == "digest":
                 data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
                 reply = {"sha": hashlib.sha256(data).hexdigest()}

@@ -15,12 +15,14 @@ import logging
 import os
 import socket
 import threading
+import time
 
-from ...errors import AccessViolation
+from ...errors import AccessViolation, GpuError, TransferTimeout
 from ...types import Access
+from .. import cuda_driver
 from ..memory import Region
 from ..transport import TransportContext
-from . import wire
+from . import staging, wire
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class TcpServer:
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.closed = False
+        self.staging: staging.Staging | None = None  # set by the transport that owns us
         threading.Thread(target=self._accept_loop, name="mc-tcp-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -153,6 +156,10 @@ class TcpServer:
                             left -= n
                     _reply_error(conn, rid, wire.ST_ACCESS, exc.message)
                     continue
+                if last.device >= 0:  # GPU memory: staged, never viewed as host memory
+                    if not self._serve_device(conn, op, rid, last.device, addr, length):
+                        return
+                    continue
                 data = last.slice(addr, length)
                 if op == wire.OP_READ:
                     head = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length)
@@ -172,6 +179,31 @@ class TcpServer:
             with self.lock:
                 self.conns.discard(conn)
             conn.close()
+            if self.staging is not None and cuda_driver.loaded():
+                with contextlib.suppress(GpuError):
+                    self.staging.release_thread()
+
+    def _serve_device(
+        self, conn: socket.socket, op: int, rid: int, device: int, addr: int, length: int
+    ) -> bool:
+        """Serve one request on GPU memory through the staging pipe; False closes the
+        connection (a failed copy leaves the stream mid-payload)."""
+        if self.staging is None:
+            return False
+        deadline = time.monotonic() + self.ctx.config.timeout
+        try:
+            pipe = self.staging.pipe(device)
+            if op == wire.OP_READ:
+                conn.sendall(wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length))
+                pipe.to_network(addr, length, staging.sender(conn), deadline)
+            else:
+                recv = staging.receiver(conn, wire.recv_exact)
+                pipe.from_network(addr, length, recv, deadline)
+                conn.sendall(wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, 0))
+        except (GpuError, TransferTimeout) as exc:
+            log.warning("closing a connection: staging GPU memory failed: %s", exc)
+            return False
+        return True
 
     def close(self) -> None:
         with self.lock:
