@@ -18,6 +18,7 @@ import queue
 import struct
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncake_connectors.errors import GpuError
 from mooncake_connectors.transfer_core.cuda_driver import (
@@ -293,3 +294,45 @@ def ensure_cuda_ipc_registered() -> None:
 
     if "cuda_ipc" not in TRANSPORTS.names():
         TRANSPORTS.register("cuda_ipc", CudaIpcTransport)
+
+
+class FakeCudaTensor:
+    """What the connectors ask of a CUDA KV cache tensor (geometry, device, dtype), over fake
+    device memory: torch's own CUDA tensors need a GPU."""
+
+    def __init__(self, fake: FakeCuda, shape: tuple[int, ...], itemsize: int = 2) -> None:
+        import numpy as np
+
+        self.shape = shape
+        self.itemsize = itemsize
+        n = int(np.prod(shape)) * itemsize
+        self.addr = fake.device_alloc(n)
+        self.bytes: Any = fake.array(self.addr, n)
+        self.device = _Device("cuda", 0)
+        self.dtype = "torch.bfloat16"
+
+    def stride(self) -> tuple[int, ...]:
+        out, acc = [], 1
+        for dim in reversed(self.shape):
+            out.append(acc)
+            acc *= dim
+        return tuple(reversed(out))
+
+    def element_size(self) -> int:
+        return self.itemsize
+
+    def data_ptr(self) -> int:
+        return self.addr
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def elements(self) -> Any:
+        """The bytes as an array of ``shape`` plus a trailing item-size axis."""
+        return self.bytes.reshape(*self.shape, self.itemsize)
+
+
+@dataclass(frozen=True)
+class _Device:
+    type: str
+    index: int

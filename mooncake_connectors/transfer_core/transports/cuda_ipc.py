@@ -304,6 +304,8 @@ class CudaIpcTransport(Transport):
         self, state: _Peer, region: RegionDesc, addr: int, length: int
     ) -> list[tuple[int, int]]:
         """(pointer in this process, length) pieces covering the peer's ``addr``+``length``."""
+        if state.pid == os.getpid():  # our own memory: its addresses are valid here as is
+            return [(addr, length)]
         off = addr - region.addr
         if region.kind is not _CUDA:
             key = (region.memfd, region.memfd_inode)
