@@ -222,3 +222,12 @@ def test_transport_settings_from_the_environment() -> None:
         engine_config_from_env({"MOONCAKE_CONNECTORS_TRANSPORT_SETTINGS": "{"})
     with pytest.raises(ConfigError, match="not valid"):
         engine_config_from_env({"MOONCAKE_CONNECTORS_TRANSPORT_SETTINGS": "[1]"})
+
+
+def test_transports_that_publish_the_same_value_agree() -> None:
+    d = RegionDesc(addr=4096, length=10)
+    memfd = {"memfd": 7, "memfd_inode": 99}
+    got = merge_fields(d, [("shm", memfd), ("cuda_ipc", dict(memfd))], ENGINE_REGION_FIELDS)
+    assert (got.memfd, got.memfd_inode) == (7, 99)
+    with pytest.raises(PluginError, match="both describe"):
+        merge_fields(d, [("shm", memfd), ("other", {"memfd": 8})], ENGINE_REGION_FIELDS)
