@@ -154,7 +154,10 @@ class CudaIpcTransport(Transport):
             for a in gone:
                 del self._pinned[a]
         for a in gone:
-            self._drv().host_unregister(a)
+            try:
+                self._drv().host_unregister(a)
+            except GpuError as exc:  # the memory may be gone already; nothing else to undo
+                log.warning("cuda_ipc: unpinning %#x failed: %s", a, exc)
 
     # -- reachability -----------------------------------------------------------------------
     def serves(self, local: LocationKind, remote: LocationKind) -> bool:
