@@ -63,8 +63,8 @@ class BindingsDriver(CudaDriver):
         self._ctx: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._tls = threading.local()
-        self._streams: dict[int, Any] = {}
-        self._events: dict[int, Any] = {}
+        self._streams: dict[int, tuple[Any, int]] = {}  # id -> (CUstream, device)
+        self._events: dict[int, tuple[Any, int]] = {}  # id -> (CUevent, device)
         self._vmm: dict[int, tuple[int, Any]] = {}  # local base -> (size, handle)
 
     # -- contexts ---------------------------------------------------------------------------
@@ -118,7 +118,8 @@ class BindingsDriver(CudaDriver):
         err, mtype = cu.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
         if int(err) != 0:  # CUDA_ERROR_INVALID_VALUE: memory the driver never saw
             return PointerInfo(MemoryType.UNKNOWN, -1, addr, 0, False)
-        kind = MemoryType.DEVICE if int(mtype) == 2 else MemoryType.HOST  # CU_MEMORYTYPE_DEVICE
+        if int(mtype) != 2:  # CU_MEMORYTYPE_DEVICE; pinned host memory answers fewer questions
+            return PointerInfo(MemoryType.HOST, -1, addr, 0, False)
         ordinal = check(
             "cuPointerGetAttribute",
             cu.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr),
@@ -131,15 +132,10 @@ class BindingsDriver(CudaDriver):
             "cuPointerGetAttribute",
             cu.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr),
         )
-        err, legacy = cu.cuPointerGetAttribute(
-            a.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, addr
-        )
+        legacy_attr = a.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+        err, legacy = cu.cuPointerGetAttribute(legacy_attr, addr)
         return PointerInfo(
-            kind,
-            int(ordinal) if kind is MemoryType.DEVICE else -1,
-            int(start),
-            int(size),
-            int(err) == 0 and bool(legacy),
+            MemoryType.DEVICE, int(ordinal), int(start), int(size), int(err) == 0 and bool(legacy)
         )
 
     # -- sharing ----------------------------------------------------------------------------
@@ -232,15 +228,17 @@ class BindingsDriver(CudaDriver):
         flags = self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         stream = check("cuStreamCreate", self.cu.cuStreamCreate(flags))
         key = int(stream)
-        self._streams[key] = stream
+        self._streams[key] = (stream, device)
         return key
 
     def stream_destroy(self, stream: int) -> None:
-        check("cuStreamDestroy", self.cu.cuStreamDestroy(self._streams.pop(stream)))
+        s, device = self._streams.pop(stream)
+        self._use(device)
+        check("cuStreamDestroy", self.cu.cuStreamDestroy(s))
 
     def memcpy_async(self, dst: int, src: int, length: int, stream: int) -> None:
-        self._any()
-        s = self._streams[stream]
+        s, device = self._streams[stream]
+        self._use(device)
         check("cuMemcpyAsync", self.cu.cuMemcpyAsync(dst, src, length, s))
 
     def event_create(self, device: int) -> int:
@@ -248,16 +246,20 @@ class BindingsDriver(CudaDriver):
         flags = self.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         event = check("cuEventCreate", self.cu.cuEventCreate(flags))
         key = int(event)
-        self._events[key] = event
+        self._events[key] = (event, device)
         return key
 
     def event_record(self, event: int, stream: int) -> None:
-        self._any()
-        ev, s = self._events[event], self._streams[stream]
+        ev, device = self._events[event]
+        s, _ = self._streams[stream]
+        self._use(device)
         check("cuEventRecord", self.cu.cuEventRecord(ev, s))
 
     def event_done(self, event: int) -> bool:
-        (err,) = self.cu.cuEventQuery(self._events[event])
+        ev, device = self._events[event]
+        self._use(device)
+        res = self.cu.cuEventQuery(ev)
+        err = res[0] if isinstance(res, tuple) else res
         code = int(err)
         if code == 600:  # CUDA_ERROR_NOT_READY
             return False
@@ -266,4 +268,6 @@ class BindingsDriver(CudaDriver):
         return True
 
     def event_destroy(self, event: int) -> None:
-        check("cuEventDestroy", self.cu.cuEventDestroy(self._events.pop(event)))
+        ev, device = self._events.pop(event)
+        self._use(device)
+        check("cuEventDestroy", self.cu.cuEventDestroy(ev))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, GpuError
 from ..types import LocationKind, parse_location
 from . import cuda_driver
 from .cuda_driver import MemoryType
@@ -62,7 +62,10 @@ def check_host_ranges(spans: Sequence[tuple[int, int]], location: str) -> None:
     for addr, length in spans:
         if addr <= 0 or length <= 0:
             continue
-        info = drv.pointer_info(addr)
+        try:
+            info = drv.pointer_info(addr)
+        except GpuError:  # a driver that cannot say does not block host memory
+            continue
         if info.kind is MemoryType.DEVICE:
             raise ConfigError(
                 f"{addr:#x}+{length} was registered as {location} but is GPU memory of "
