@@ -37,9 +37,10 @@ from ...errors import (
 from ...plugins import hookimpl
 from ...types import Access, LocationKind, TransferOp
 from .. import cuda_driver
-from ..cuda_driver import CudaDriver, Export, MemoryType
+from ..cuda_driver import CudaDriver, MemoryType
 from ..descriptor import CudaExport, RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
+from .cuda_peers import PeerHandles
 from .shm import _CLOSED_EPOCH, _Mapping
 
 if TYPE_CHECKING:
@@ -51,25 +52,13 @@ _CPU = LocationKind.CPU
 _ABORT_WAIT = 5.0  # seconds an aborted lane waits for copies already queued to land
 
 
-class _Peer:
-    """What this process holds open for one peer (one pid of one segment)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.lock = threading.Lock()
-        self.imports: dict[bytes, tuple[Export, int]] = {}  # handle -> (export, local base)
-        self.host: dict[tuple[int, int], _Mapping] = {}  # (memfd, inode) -> mapping, pinned
-        self.streams: dict[int, int] = {}  # local device -> stream
-        self.epoch_page: _Mapping | None = None
-
-
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self._lock = threading.Lock()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerHandles] = {}
         self._exports: dict[tuple[int, int], list[CudaExport]] = {}  # local region -> exports
         self._pinned: dict[int, int] = {}  # local host regions we pinned: addr -> length
         self._uuids: dict[str, int] | None = None
@@ -204,7 +193,7 @@ class CudaIpcTransport(Transport):
         for stream, group in queued.items():
             deadline = max(s.deadline for s in group)
             try:
-                event = drv.event_create(self._stream_device(state, stream))
+                event = drv.event_create(state.device_of(stream))
                 drv.event_record(event, stream)
             except GpuError as exc:
                 for s in group:
@@ -245,15 +234,15 @@ class CudaIpcTransport(Transport):
                 return
             self._finish(*item)
 
-    def _current(self, peer: SegmentDesc) -> tuple[SegmentDesc, _Peer]:
+    def _current(self, peer: SegmentDesc) -> tuple[SegmentDesc, PeerHandles]:
         """The peer's up-to-date descriptor (re-fetched when its epoch page moved) and our state
         for it; exports the new descriptor no longer lists are closed."""
         with self._lock:
             state = self._peers.get(peer.name)
             if state is None or state.pid != peer.pid:
                 if state is not None:
-                    self._release(state)
-                state = _Peer(peer.pid)
+                    state.release()
+                state = PeerHandles(peer.pid)
                 self._peers[peer.name] = state
         if peer.pid == os.getpid():
             return peer, state
@@ -266,14 +255,12 @@ class CudaIpcTransport(Transport):
         if epoch != peer.epoch:
             peer = self.ctx.refresh_peer(peer.name)
             listed = {e.handle for r in peer.regions for e in r.cuda_exports}
-            with state.lock:
-                stale = [h for h in state.imports if h not in listed]
-                closing = [state.imports.pop(h) for h in stale]
-            for export, base in closing:
-                self._drv().close_export(export, base)
+            state.close_unlisted(listed)
         return peer, state
 
-    def _copy(self, peer: SegmentDesc, state: _Peer, s: Slice, region: RegionDesc | None) -> int:
+    def _copy(
+        self, peer: SegmentDesc, state: PeerHandles, s: Slice, region: RegionDesc | None
+    ) -> int:
         write = s.op is TransferOp.WRITE
         if region is None:
             region = peer.find_region(s.remote_addr, s.length)
@@ -295,7 +282,7 @@ class CudaIpcTransport(Transport):
             self._pin_local(s.local_addr, s.length)
         pieces = self._remote_pointers(state, region, s.remote_addr, s.length)
         device = s.local_device if s.local_device >= 0 else self._device_for(region)
-        stream = self._stream(state, device)
+        stream = state.stream(device)
         local = s.local_addr
         for remote, n in pieces:
             dst, src = (remote, local) if write else (local, remote)
@@ -304,41 +291,26 @@ class CudaIpcTransport(Transport):
         return stream
 
     def _remote_pointers(
-        self, state: _Peer, region: RegionDesc, addr: int, length: int
+        self, state: PeerHandles, region: RegionDesc, addr: int, length: int
     ) -> list[tuple[int, int]]:
         """(pointer in this process, length) pieces covering the peer's ``addr``+``length``."""
         if state.pid == os.getpid():  # our own memory: its addresses are valid here as is
             return [(addr, length)]
         off = addr - region.addr
         if region.kind is not _CUDA:
-            key = (region.memfd, region.memfd_inode)
-            with state.lock:
-                m = state.host.get(key)
-                if m is None:
-                    m = _Mapping(state.pid, region.memfd, region.memfd_inode)
-                    self._drv().host_register(m.base, m.size)
-                    state.host[key] = m
-            return [(m.base + region.memfd_offset + off, length)]
+            base = state.host_mapping(region.memfd, region.memfd_inode)
+            return [(base + region.memfd_offset + off, length)]
         out: list[tuple[int, int]] = []
         end = off + length
         for e in region.cuda_exports:
             lo, hi = max(off, e.region_offset), min(end, e.region_offset + e.length)
             if lo >= hi:
                 continue
-            base = self._open(state, e, self._device_for(region, e))
+            base = state.open(e, self._device_for(region, e))
             out.append((base + e.alloc_offset + (lo - e.region_offset), hi - lo))
         if sum(n for _, n in out) != length:
             raise AccessViolation(f"the peer's exports do not cover {addr:#x}+{length}")
         return out
-
-    def _open(self, state: _Peer, e: CudaExport, device: int) -> int:
-        with state.lock:
-            got = state.imports.get(e.handle)
-            if got is None:
-                export = Export(e.kind, e.handle, 0, e.alloc_size)
-                got = (export, self._drv().open_export(export, state.pid, device))
-                state.imports[e.handle] = got
-            return got[1]
 
     def _device_for(self, region: RegionDesc, e: CudaExport | None = None) -> int:
         """The local ordinal of the GPU holding ``region`` if this process sees it, else 0."""
@@ -351,18 +323,6 @@ class CudaIpcTransport(Transport):
             else next((x.device_uuid for x in region.cuda_exports), "")
         )
         return self._uuids.get(uuid, 0)
-
-    def _stream(self, state: _Peer, device: int) -> int:
-        with state.lock:
-            stream = state.streams.get(device)
-            if stream is None:
-                stream = self._drv().stream_create(device)
-                state.streams[device] = stream
-            return stream
-
-    @staticmethod
-    def _stream_device(state: _Peer, stream: int) -> int:
-        return next((d for d, s in state.streams.items() if s == stream), 0)
 
     def _pin_local(self, addr: int, length: int) -> None:
         region = self.ctx.local.find(addr, length)
@@ -393,24 +353,6 @@ class CudaIpcTransport(Transport):
             except GpuError as exc:
                 log.warning("cuda_ipc abort for %s: %s", peer_name, exc)
 
-    def _release(self, state: _Peer) -> None:
-        drv = self._drv() if cuda_driver.loaded() else None
-        for stream in state.streams.values():
-            if drv is not None:
-                drv.stream_destroy(stream)
-        for export, base in state.imports.values():
-            if drv is not None:
-                drv.close_export(export, base)
-        for m in state.host.values():
-            if drv is not None:
-                drv.host_unregister(m.base)
-            m.close()
-        if state.epoch_page is not None:
-            state.epoch_page.close()
-        state.streams.clear()
-        state.imports.clear()
-        state.host.clear()
-
     def close(self) -> None:
         if self._closed:
             return
@@ -427,7 +369,7 @@ class CudaIpcTransport(Transport):
             self._pinned.clear()
         for state in peers:
             try:
-                self._release(state)
+                state.release()
             except GpuError as exc:
                 log.warning("cuda_ipc: releasing a peer's handles failed: %s", exc)
         if pinned and cuda_driver.loaded():
