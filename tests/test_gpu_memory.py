@@ -7,6 +7,7 @@ at our driver seam only; the engine, transports, staging pipe and wire protocol 
 from __future__ import annotations
 
 import hashlib
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,12 @@ from fake_cuda import FakeCuda, ensure_cuda_ipc_registered
 from helpers import Peer, pattern
 
 from mooncake_connectors.config import EngineConfig
-from mooncake_connectors.errors import ConfigError, GpuUnavailable, NoPathAvailable
+from mooncake_connectors.errors import (
+    ConfigError,
+    GpuUnavailable,
+    NoPathAvailable,
+    TransferTimeout,
+)
 from mooncake_connectors.transfer_core import TransferEngine, cuda_driver
 from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
 from mooncake_connectors.transfer_core.transports.staging import Staging
@@ -287,3 +293,17 @@ def _soon() -> float:
     import time
 
     return time.monotonic() + 10
+
+
+def test_a_stopped_target_times_out_a_staged_gpu_read_and_the_path_recovers(tcp: Pair) -> None:
+    remote = tcp.alloc("cuda", MIB, seed=12)
+    addr, arr = tcp.local_gpu(MIB)
+    tcp.engine.read(tcp.seg, addr, remote, 4096)  # the staging workers are connected
+    tcp.peer.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TransferTimeout):
+            tcp.engine.read(tcp.seg, addr, remote, MIB, timeout=1.0)
+    finally:
+        tcp.peer.signal(signal.SIGCONT)
+    tcp.engine.read(tcp.seg, addr, remote, MIB)  # the aborted connection was replaced
+    assert sha(arr) == tcp.digest(remote, MIB)

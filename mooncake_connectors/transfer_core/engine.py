@@ -568,8 +568,9 @@ class TransferEngine:
                 groups.setdefault((id(transport), peer.name), (transport, peer, []))[2].append(s)
         for transport, peer, slices in groups.values():
             # A synchronous submission runs in this thread, bounded by kernel socket timeouts
-            # or a plain memcpy; only slices that may sit in a queue need the watchdog.
-            if not _inline:
+            # or a plain memcpy; only slices that may sit in a queue need the watchdog (GPU
+            # slices may: transports hand them to staging or copy streams).
+            if not _inline or slices[0].local_device >= 0 or slices[-1].local_device >= 0:
                 self._watch_slices(slices)
             transport.submit(peer, slices, inline_ok=_inline)
         return batch

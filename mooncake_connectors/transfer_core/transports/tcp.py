@@ -532,6 +532,7 @@ class TcpTransport(Transport):
                 del self._lanes[(lane.peer, lane.index)]
 
     def abort(self, peer_name: str, lane: int) -> None:
+        self._staged.abort(peer_name)
         ln = self._lanes.get((peer_name, lane))
         if ln is not None:
             ln._break(

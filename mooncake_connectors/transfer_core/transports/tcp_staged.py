@@ -51,7 +51,7 @@ class StagedTcp:
         self.lock = threading.Lock()
         self.closed = False
         self._tls = threading.local()
-        self._socks: list[socket.socket] = []
+        self._socks: list[tuple[str, socket.socket]] = []  # (peer name, socket), all workers
 
     def submit(self, peer: SegmentDesc, slices: Sequence[Slice]) -> None:
         # Always through the workers, even for a caller that waits: streams and pinned
@@ -94,15 +94,15 @@ class StagedTcp:
             sock = open_connection(self.owner.ctx, peer.name, addr, path, deadline)
             socks[addr] = sock
             with self.lock:
-                self._socks.append(sock)
+                self._socks.append((peer.name, sock))
         return sock
 
     def _drop_socks(self, addr: str | None = None) -> None:
         socks: dict[str, socket.socket] = getattr(self._tls, "socks", None) or {}
         for a in [a for a in socks if addr is None or a == addr]:
             sock = socks.pop(a)
-            with self.lock, contextlib.suppress(ValueError):
-                self._socks.remove(sock)
+            with self.lock:
+                self._socks = [(p, k) for p, k in self._socks if k is not sock]
             sock.close()
 
     def _run(self, peer: SegmentDesc, s: Slice) -> None:
@@ -159,10 +159,19 @@ class StagedTcp:
             pipe.from_network(s.local_addr, s.length, receiver(sock, wire.recv_exact), s.deadline)
         return None
 
+    def abort(self, peer_name: str) -> None:
+        """A slice to ``peer_name`` missed its deadline: cut that peer's connections, so the
+        workers stop moving bytes for it (a READ's copies already queued still land)."""
+        with self.lock:
+            socks = [k for p, k in self._socks if p == peer_name]
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         with self.lock:
             self.closed = True
-            socks = list(self._socks)
+            socks = [k for _, k in self._socks]
         for sock in socks:  # wakes workers blocked on a peer
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
