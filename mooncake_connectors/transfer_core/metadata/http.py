@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hmac
 import http.client
-import http.server
 import logging
 import threading
 import urllib.parse
@@ -22,6 +21,7 @@ import msgspec
 
 from ...config import EngineConfig
 from ...errors import ConfigError, MetadataError
+from ...netguard import GuardedHandler, GuardedHTTPServer
 from ...plugins import hookimpl
 from .base import MetadataBackend
 
@@ -31,7 +31,7 @@ MAX_VALUE = 64 * 1024 * 1024
 _list_codec = msgspec.msgpack.Decoder(dict[str, bytes])
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(GuardedHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
 
@@ -119,8 +119,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._reply(200 if found else 404)
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(GuardedHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, addr: tuple[str, int], path: str, token: str | None) -> None:

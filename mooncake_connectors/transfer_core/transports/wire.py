@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 
 from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
 from ..descriptor import PROTOCOL_VERSION
@@ -64,6 +65,53 @@ def recv_exact(sock: socket.socket, buf: memoryview) -> None:
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
+
+
+def recv_until(sock: socket.socket, buf: memoryview, deadline: float) -> None:
+    """Fill ``buf`` by ``deadline`` (monotonic), else TimeoutError: a per-recv timeout alone
+    lets a peer trickling one byte at a time hold the connection forever. The socket has a
+    per-recv timeout (settimeout or SO_RCVTIMEO) so each recv returns in time to check."""
+    n = len(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(buf[got:], n - got, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError):
+            k = -1
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += max(k, 0)
+        if got < n and time.monotonic() >= deadline:
+            raise TimeoutError(f"only {got} of {n} bytes arrived within the deadline")
+
+
+def send_until(sock: socket.socket, bufs: list[memoryview | bytes], deadline: float) -> None:
+    """``sendmsg_all`` for a socket with SO_SNDTIMEO: TimeoutError at ``deadline`` when the
+    peer stops reading."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        try:
+            sent = sock.sendmsg(bufs[:1024])
+        except (BlockingIOError, TimeoutError):
+            sent = 0
+        while sent:
+            first = bufs[0]
+            if sent >= len(first):
+                sent -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = memoryview(first)[sent:]
+                sent = 0
+        if bufs and time.monotonic() >= deadline:
+            raise TimeoutError("the peer did not read the answer within the deadline")
+
+
+def set_io_tick(sock: socket.socket, seconds: float) -> None:
+    """Kernel-side timeouts on a blocking socket: each recv/send returns within ``seconds``
+    (with what it has, or EAGAIN), with no poll() per call as ``settimeout`` would add."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def sendmsg_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
