@@ -111,7 +111,8 @@ class _DeadlineReader(io.RawIOBase):
 
 
 class GuardedHandler(http.server.BaseHTTPRequestHandler):
-    """A request handler whose requests must arrive whole within ``request_timeout``."""
+    """A request handler whose requests must arrive whole within the server's
+    ``request_timeout``."""
 
     timeout = HTTP_IDLE_TIMEOUT
     request_timeout = HTTP_REQUEST_TIMEOUT
@@ -119,6 +120,7 @@ class GuardedHandler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.request_timeout = getattr(self.server, "request_timeout", HTTP_REQUEST_TIMEOUT)
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
 
     def handle_one_request(self) -> None:
@@ -132,8 +134,14 @@ class GuardedHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = BACKLOG
 
-    def __init__(self, addr: tuple[str, int], handler: type[GuardedHandler]) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        handler: type[GuardedHandler],
+        request_timeout: float = HTTP_REQUEST_TIMEOUT,
+    ) -> None:
         super().__init__(addr, handler)
+        self.request_timeout = request_timeout
         self.accept_backoff = AcceptBackoff(f"http {addr[0]}:{self.server_address[1]}", _log)
 
     def get_request(self) -> tuple[socket.socket, Any]:

@@ -21,7 +21,7 @@ import msgspec
 
 from ...config import EngineConfig
 from ...errors import ConfigError, MetadataError
-from ...netguard import GuardedHandler, GuardedHTTPServer
+from ...netguard import HTTP_REQUEST_TIMEOUT, GuardedHandler, GuardedHTTPServer
 from ...plugins import hookimpl
 from .base import MetadataBackend
 
@@ -122,8 +122,10 @@ class _Handler(GuardedHandler):
 class _Server(GuardedHTTPServer):
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], path: str, token: str | None) -> None:
-        super().__init__(addr, _Handler)
+    def __init__(
+        self, addr: tuple[str, int], path: str, token: str | None, request_timeout: float
+    ) -> None:
+        super().__init__(addr, _Handler, request_timeout)
         self.path = path.rstrip("/") or "/"
         self.token = token
         self.store: dict[str, bytes] = {}
@@ -140,10 +142,12 @@ class MetadataHTTPServer:
         *,
         path: str = "/metadata",
         token: str | None = None,
+        request_timeout: float = HTTP_REQUEST_TIMEOUT,
     ) -> None:
         if not path.startswith("/"):
             raise ConfigError(f"metadata path must start with '/', got {path!r}")
-        self._srv = _Server((host, port), path, token)
+        # request_timeout: a whole request (line, headers, body) must arrive within it
+        self._srv = _Server((host, port), path, token, request_timeout)
         self.host = host
         self.port = self._srv.server_address[1]
         self.path = path
