@@ -16,13 +16,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mooncake_connectors.adapters.vllm.launch import (
+from mooncake_connectors.bench.launch import (
     VllmServer,
     completion,
     random_prompt,
     token_ids,
 )
-from mooncake_connectors.adapters.vllm.tiny_model import build
+from mooncake_connectors.bench.tiny_model import build
 
 
 def main() -> None:

@@ -23,6 +23,20 @@ def test_version_and_plugins() -> None:
     assert CliRunner().invoke(app, ["version"]).output.strip()
 
 
+def test_the_cli_reaches_the_harness_only_inside_its_commands() -> None:
+    # Engines import the package, never the command line; the CLI itself loads bench modules
+    # only when a bench or demo command runs, so its start-up stays light too.
+    code = (
+        "import sys, mooncake_connectors.cli, mooncake_connectors.adapters, "
+        "mooncake_connectors.store, mooncake_connectors.transfer_core, mooncake_connectors.compat; "
+        "print(sorted(m for m in sys.modules if m.startswith('mooncake_connectors.bench')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_metadata_server_command() -> None:
     port = free_port()
     proc = subprocess.Popen(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import EtcdServer
 
-from mooncake_connectors.adapters.moe import (
+from mooncake_connectors.moe import (
     ExpertRouter,
     HealthMonitor,
     HeartbeatPublisher,

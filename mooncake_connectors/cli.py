@@ -108,13 +108,23 @@ def metadata_server(
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
     path: Annotated[str, typer.Option(help="URL path of the endpoint.")] = "/metadata",
+    auth_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar=["MOONCAKE_CONNECTORS_TOKEN", "MOONCAKE_CONNECTORS_STORE_TOKEN"],
+            help="Shared secret every request must carry as 'Authorization: Bearer' (the "
+            "engines' or the store's token, >= 8 characters).",
+        ),
+    ] = None,
     verbose: Verbose = 0,
 ) -> None:
     """Run the embedded HTTP metadata server (the single-machine default) in the foreground."""
     _setup_logging(max(verbose, 1))
     from .transfer_core.metadata.http import MetadataHTTPServer
 
-    server = MetadataHTTPServer(host, port, path=path)
+    if auth_token is not None and len(auth_token) < 8:
+        raise typer.BadParameter("must be at least 8 characters", param_hint="--auth-token")
+    server = MetadataHTTPServer(host, port, path=path, token=auth_token)
     server.start()
     logging.getLogger("mooncake_connectors").info("metadata server on %s", server.url)
     try:
@@ -305,7 +315,7 @@ def demo(
 
     from rich.console import Console
 
-    from .adapters.vllm.demo import render, run_demo
+    from .bench.demo import render, run_demo
 
     if importlib.util.find_spec("vllm") is None:
         typer.echo("error: the demo needs vLLM here: scripts/bootstrap --vllm", err=True)
@@ -376,7 +386,8 @@ def master(
         str | None,
         typer.Option(
             envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
-            help="Shared secret every control connection must prove (>= 8 characters).",
+            help="Shared secret every control connection must prove; off 127.0.0.1 it also "
+            "guards /metrics and /health (>= 8 characters).",
         ),
     ] = None,
     verbose: Verbose = 0,
@@ -432,7 +443,7 @@ def store_server(
         str | None,
         typer.Option(
             envvar="MOONCAKE_CONNECTORS_STORE_TOKEN",
-            help="Shared secret every control connection must prove (>= 8 characters).",
+            help="Shared secret every control and data connection must prove (>= 8 characters).",
         ),
     ] = None,
     verbose: Verbose = 0,
@@ -487,7 +498,7 @@ def bench_transfer(
 ) -> None:
     """Target and initiator in two processes on loopback; GB/s per op, size and transport."""
     _setup_logging(verbose)
-    from .transfer_core.bench import run_transfer_benchmark
+    from .bench.transfer import run_transfer_benchmark
 
     with _progress("bench transfer") as advance:
         result = run_transfer_benchmark(
@@ -515,7 +526,7 @@ def bench_moe(
 ) -> None:
     """MoE router: routing µs vs plain indexing, placement ms, balance vs DeepSeek's EPLB."""
     _setup_logging(verbose)
-    from .adapters.moe.bench import run_moe_benchmark
+    from .bench.moe import run_moe_benchmark
 
     _emit(run_moe_benchmark(rounds=rounds, seed=seed, threads=threads), output)
 
@@ -606,7 +617,7 @@ def bench_vllm_pd(
     _setup_logging(verbose)
     from pathlib import Path
 
-    from .adapters.vllm.bench import run_pd_benchmark
+    from .bench.vllm_pd import run_pd_benchmark
 
     with _progress("bench vllm-pd") as advance:
         result = run_pd_benchmark(
@@ -652,7 +663,7 @@ def bench_vllm_store(
     _setup_logging(verbose)
     from pathlib import Path
 
-    from .adapters.vllm.store_bench import run_store_benchmark
+    from .bench.vllm_store import run_store_benchmark
 
     with _progress("bench vllm-store") as advance:
         result = run_store_benchmark(
@@ -691,7 +702,7 @@ def bench_conductor_live(
     _setup_logging(verbose)
     from pathlib import Path
 
-    from .adapters.vllm.bench_conductor import run_conductor_benchmark
+    from .bench.conductor_live import run_conductor_benchmark
 
     with _progress("bench conductor-live") as advance:
         result = run_conductor_benchmark(
@@ -722,7 +733,7 @@ def bench_store(
 ) -> None:
     """Master, data owner and client as separate processes; ours and Mooncake's, interleaved."""
     _setup_logging(verbose)
-    from .store.bench import run_store_benchmark
+    from .bench.store import run_store_benchmark
 
     result = run_store_benchmark(
         rounds=rounds,
@@ -742,7 +753,7 @@ def bench_store_memory(
     batch: Annotated[int, typer.Option(min=1, max=65536, help="Keys per control call.")] = 1000,
 ) -> None:
     """The master's resident memory per key (a real master process, RSS before and after)."""
-    from .store.memory_bench import run_memory_benchmark
+    from .bench.store_memory import run_memory_benchmark
 
     typer.echo(json.dumps(run_memory_benchmark(keys=keys, key_len=key_len, batch=batch), indent=2))
 
@@ -758,8 +769,8 @@ def bench_store_ssd(
     output: Output = None,
 ) -> None:
     """Gets served from the SSD tier (page cache warm and cold) against gets from memory."""
+    from .bench.store_ssd import run_ssd_benchmark
     from .store.config import parse_size
-    from .store.ssd_bench import run_ssd_benchmark
 
     result = run_ssd_benchmark(
         [parse_size(s) for s in sizes.split(",") if s.strip()], parse_size(memory), ops, ssd_dir
@@ -787,7 +798,7 @@ def bench_sglang(
     """HiCache page batches through our SGLang backend and SGLang's Mooncake backend (needs
     SGLang installed)."""
     _setup_logging(verbose)
-    from .adapters.sglang.bench import run_sglang_benchmark
+    from .bench.sglang import run_sglang_benchmark
 
     result = run_sglang_benchmark(
         rounds=rounds,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 from typing import Any
 
 from .config import EngineConfig
@@ -243,6 +244,12 @@ class TransferEngine:
             self._managed.clear()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            # Interpreter exit: our threads are frozen, so close() could wait on them forever.
+            # Wait for nothing; the process's exit releases the sockets and memory.
+            if self._engine is not None:
+                self._engine.abandon()
+            return
         try:
             self.close()
         except Exception as exc:  # never raise from a finalizer

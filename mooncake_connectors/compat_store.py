@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ConfigError, MasterUnavailable, MooncakeConnectorsError, ObjectExists
+from .errors import (
+    AccessViolation,
+    ConfigError,
+    MasterUnavailable,
+    MooncakeConnectorsError,
+    ObjectExists,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ def _code(err: MooncakeConnectorsError | None) -> int:
     code = err.fields.get("code")
     if isinstance(code, int) and code < 0:
         return code
-    if isinstance(err, ConfigError):
+    if isinstance(err, (ConfigError, AccessViolation)):  # a bad key, size or address
         return INVALID_PARAMS
     return INTERNAL_ERROR
 
@@ -128,6 +135,7 @@ class MooncakeDistributedStore:
         if self._client is not None:
             return self._fail("setup", RuntimeError("already set up"))
         try:
+            from .config import store_token_from_env
             from .store.client import StoreClient
             from .store.config import ClientConfig
 
@@ -141,6 +149,8 @@ class MooncakeDistributedStore:
                 global_segment_size=int(conf.get("global_segment_size", 16 << 20)),
                 local_buffer_size=max(4096, int(conf.get("local_buffer_size", 16 << 20))),
                 metadata=_metadata(str(conf.get("metadata_server") or "")),
+                # Mooncake's setup() has no token argument: the environment carries it.
+                auth_token=str(conf.get("auth_token") or store_token_from_env() or "") or None,
             )
             self._client = StoreClient(cfg).start()
         except (MooncakeConnectorsError, ValueError, OSError, TypeError) as exc:
@@ -286,6 +296,13 @@ class MooncakeDistributedStore:
             return self._fail("remove_all", exc)
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            # Interpreter exit: our threads are frozen, so close() could wait on them forever.
+            # Wait for nothing; the master sees this client's segment go as that of a process
+            # that exited (after its server_ttl).
+            if self._client is not None and self._client.engine is not None:
+                self._client.engine.abandon()
+            return
         try:
             self.close()
         except Exception as exc:  # never raise from a finalizer

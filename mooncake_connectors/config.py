@@ -7,6 +7,7 @@ Mooncake has a variable with the same meaning, its name is accepted too.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -18,6 +19,26 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 
 DEFAULT_METADATA_URL = "http://127.0.0.1:8080/metadata"
+STORE_TOKEN_ENV = "MOONCAKE_CONNECTORS_STORE_TOKEN"  # the store CLI's and Mooncake facade's
+DEFAULT_BINDS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def store_token_from_env() -> str | None:
+    """The store's shared secret for callers whose API has no place for it (Mooncake's)."""
+    return os.environ.get(STORE_TOKEN_ENV) or None
+
+
+def info_needs_token(bind_host: str, token: str | None) -> bool:
+    """Whether information endpoints (``/metrics``, ``/health``, metadata listings) of a listener
+    bound to ``bind_host`` require the token. On the default binds (127.0.0.1, ::1) any local
+    process may read them; bound to any other address (a routable one, a wildcard, or another
+    loopback alias such as 127.0.0.2) they require the token whenever one is set."""
+    return bool(token) and bind_host not in DEFAULT_BINDS
+
+
+def bearer_ok(header: str | None, token: str) -> bool:
+    """``Authorization: Bearer TOKEN``, compared in constant time."""
+    return hmac.compare_digest((header or "").encode(), f"Bearer {token}".encode())
 
 
 def _check_host(host: str, what: str) -> None:

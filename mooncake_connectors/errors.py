@@ -13,6 +13,7 @@
     │   ├── TransferTimeout              the request's deadline passed
     │   ├── AccessViolation              remote address outside a registered region or rights
     │   └── NoPathAvailable              no transport can reach that peer for that memory
+    ├── LoadRefused                      a KV load not attempted (its blocks are recomputed)
     └── StoreError                       distributed store failures (see store/)
         ├── NotLeader                    the contacted master is a standby
         ├── MasterUnavailable            no master answered within the deadline
@@ -23,60 +24,125 @@
 
 Every foreign exception is mapped once, at the boundary where it happens, with
 ``raise Ours(...) from exc``. Errors carry structured fields (peer, path, key) so callers
-branch on data rather than on message text. A cache miss is a return value, not an exception.
+branch on data rather than on message text; each class declares the fields it carries, as typed
+attributes, so a misspelt field is an AttributeError (and a mypy error), never a silent None.
+A cache miss is a return value, not an exception.
 """
 
 from __future__ import annotations
 
 
 class MooncakeConnectorsError(Exception):
-    """Base class of every error raised by this package."""
+    """Base class of every error raised by this package.
+
+    ``fields`` holds every structured field given, for the message and for logs; subclasses
+    expose the ones they declare as attributes.
+    """
 
     def __init__(self, message: str, **fields: object) -> None:
         super().__init__(message)
         self.message = message
-        self.fields = fields
-
-    def __getattr__(self, name: str) -> object:
-        # Structured fields (peer, path, key, ...) read as attributes; absent ones are None.
-        if name.startswith("__"):
-            raise AttributeError(name)
-        fields = self.__dict__.get("fields", {})
-        return fields.get(name)
+        self.fields: dict[str, object] = fields
 
     def __str__(self) -> str:
-        if not self.fields:
-            return self.message
         extra = ", ".join(f"{k}={v!r}" for k, v in self.fields.items() if v is not None)
         return f"{self.message} ({extra})" if extra else self.message
 
 
 class ConfigError(MooncakeConnectorsError, ValueError):
-    """Invalid configuration value or argument."""
+    """Invalid configuration value or argument.
+
+    ``key`` and ``code`` are set when a store call's argument was refused (the store's result
+    code); ``path`` names a file; any other keyword names the offending option and its value
+    (``ConfigError("... must be > 0", block_tokens=0)``) and lands in ``context``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        code: int | None = None,
+        path: str | None = None,
+        **context: object,
+    ) -> None:
+        super().__init__(message, key=key, code=code, path=path, **context)
+        self.key = key
+        self.code = code
+        self.path = path
+        self.context = context
 
 
 class PluginError(MooncakeConnectorsError):
     """A plugin could not be loaded, or two plugins claim one name."""
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        group: str | None = None,
+        first: str | None = None,
+        second: str | None = None,
+    ) -> None:
+        super().__init__(message, group=group, first=first, second=second)
+        self.group = group  # the entry-point group
+        self.first = first  # the two entry points that claim one name
+        self.second = second
 
-class ProtocolError(MooncakeConnectorsError):
+
+class _PeerError(MooncakeConnectorsError):
+    """An error about one peer, met on one transport path."""
+
+    def __init__(self, message: str, *, peer: str | None = None, path: str | None = None) -> None:
+        super().__init__(message, peer=peer, path=path)
+        self.peer = peer
+        self.path = path
+
+
+class ProtocolError(_PeerError):
     """A frame was malformed, truncated, or of an unsupported protocol version."""
 
 
-class AuthenticationError(MooncakeConnectorsError):
+class AuthenticationError(_PeerError):
     """The shared-token challenge/response failed."""
 
 
 class MetadataError(MooncakeConnectorsError):
     """The metadata backend failed (unreachable, bad data)."""
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        segment: str | None = None,
+        source: str | None = None,
+    ) -> None:
+        super().__init__(message, url=url, segment=segment, source=source)
+        self.url = url  # the backend's endpoint
+        self.segment = segment  # the segment name asked for
+        self.source = source  # where an undecodable descriptor came from
+
 
 class SegmentNotFound(MetadataError):
     """No segment descriptor is published under that name."""
 
 
-class TransferError(MooncakeConnectorsError):
+class TransferError(_PeerError):
     """A transfer request could not be completed."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peer: str | None = None,
+        path: str | None = None,
+        index: int | None = None,
+    ) -> None:
+        super().__init__(message, peer=peer, path=path)
+        if index is not None:
+            self.fields["index"] = index
+        self.index = index  # the failing request's position in its batch
 
 
 class TransportClosed(TransferError):
@@ -99,8 +165,17 @@ class NoPathAvailable(TransferError):
     """No enabled transport can move data between these two memory locations."""
 
 
+class LoadRefused(MooncakeConnectorsError):
+    """A connector will not attempt a KV load (the reason says why); the engine recomputes it."""
+
+
 class StoreError(MooncakeConnectorsError):
     """Base class of distributed store errors."""
+
+    def __init__(self, message: str, *, key: str | None = None, code: int | None = None) -> None:
+        super().__init__(message, key=key, code=code)
+        self.key = key
+        self.code = code  # the master's result code (negative), when one was given
 
 
 class NotLeader(StoreError):
@@ -121,6 +196,19 @@ class ObjectExists(StoreError):
 
 class MasterUnavailable(StoreError):
     """No master (leader) answered within the call's deadline."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        code: int | None = None,
+        master: str | None = None,
+    ) -> None:
+        super().__init__(message, key=key, code=code)
+        if master is not None:
+            self.fields["master"] = master
+        self.master = master  # the master address(es) tried
 
 
 class PutExpired(StoreError):

@@ -67,8 +67,15 @@ def test_values_as_lmcache_passes_them_strings_or_typed() -> None:
 
 
 def test_unknown_key_is_an_error() -> None:
-    with pytest.raises(ConfigError, match="timout"):
+    with pytest.raises(ConfigError, match=r"\['timout'\]; allowed: \[.*'cooldown'"):
         from_extra_config("mc", {P + "timout": "1"}, env={})
+    # another implementation's cool-down names are not ours here: LMCache's key is cooldown
+    with pytest.raises(ConfigError, match="retry_interval"):
+        from_extra_config("mc", {P + "retry_interval": "1"}, env={})
+
+
+def test_none_means_the_default() -> None:
+    assert from_extra_config("mc", {P + "timeout": None}, env={}).timeout == PluginConfig().timeout
 
 
 @pytest.mark.parametrize(

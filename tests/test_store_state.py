@@ -416,3 +416,62 @@ def test_writer_whose_commit_was_lost_in_a_fail_over_reports_success() -> None:
     other = Writer(Engine(), Link(), Staging(), 2.0, 5.0)  # type: ignore[arg-type]
     (r,) = other.put(["k"], [(1 << 40, 100, None)])
     assert isinstance(r, ObjectExists)
+
+
+# -- a put that cannot fit evicts nothing; one that needs room evicts about that much ---------
+def fill(s: MasterState, n: int, size: int) -> None:
+    for i in range(n):
+        assert put(s, f"f{i}", size) == Code.OK
+    assert s.used() == s.capacity()
+
+
+@pytest.mark.parametrize(
+    "n_servers, size, nrep",
+    [
+        (2, 3 * MiB, 1),  # striped: every stripe fits a segment, the whole does not fit them all
+        (2, 3 * MiB // 2, 2),  # two replicas of 1.5 MiB need 3 MiB of 2
+        (3, 2 * MiB, 2),  # two copies of each stripe on distinct servers: 4 MiB of 3
+        (1, 2 * MiB, 1),  # larger than the only segment
+    ],
+)
+def test_a_put_that_can_never_fit_evicts_nothing(n_servers: int, size: int, nrep: int) -> None:
+    s = make(n_servers, seg=1 * MiB, stripe_size=256 * 1024)
+    fill(s, 16 * n_servers, 64 * 1024)
+    assert put(s, "huge", size, now=1.0, nrep=nrep) == Code.NO_SPACE
+    assert s.counters["evictions"] == 0 and len(s.objects) == 16 * n_servers
+
+
+def test_a_put_that_cannot_fit_past_pinned_objects_evicts_nothing() -> None:
+    s = make(1, seg=1 * MiB)
+    fill(s, 16, 64 * 1024)
+    for i in range(3, 16):
+        s.objects[f"f{i}"].meta |= HARD
+    assert put(s, "big", 256 * 1024, now=1.0) == Code.NO_SPACE  # 3 x 64 KiB evictable
+    assert s.counters["evictions"] == 0 and len(s.objects) == 16
+    assert put(s, "fits", 192 * 1024, now=1.0) == Code.OK  # exactly what can be freed
+    assert s.counters["evictions"] == 3
+
+
+@pytest.mark.parametrize("n_servers", [1, 2])
+def test_a_put_that_needs_some_room_evicts_about_that_much(n_servers: int) -> None:
+    s = make(n_servers, seg=1 * MiB, stripe_size=256 * 1024)
+    fill(s, 16 * n_servers, 64 * 1024)
+    assert put(s, "new", 128 * 1024, now=1.0) == Code.OK
+    # LRU victims land in either segment; a one-segment value needs two neighbours in one
+    assert 2 <= s.counters["evictions"] <= 2 * n_servers - 1 + (n_servers == 1)
+    assert put(s, "striped", 512 * 1024, now=2.0) == Code.OK  # two 256 KiB stripes
+    assert s.counters["evictions"] <= 2 + 8 + 2 * n_servers
+    assert len(s.objects) >= 16 * n_servers - 12
+
+
+# -- a key twice in one put ----------------------------------------------------------------------
+def test_a_key_twice_in_one_put_stores_the_first_and_refuses_the_repeat() -> None:
+    s = make(1)
+    codes, stripes = s.put_start(9, ["d", "e", "d"], [10, 20, 30], 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK, Code.OK, Code.EXISTS] and stripes[2] == []
+    assert s.put_end(9, ["d", "e"], [], 0.0) == [Code.OK, Code.OK]
+    loc = s.get(["d"], 0.0)[0]
+    assert loc is not None and loc.size == 10
+    # the same request again (a retry) is still recognised as this put's own
+    codes, _ = s.put_start(9, ["d", "d"], [10, 10], 1, 0, 0, "", 1.0)
+    assert codes == [Code.COMMITTED, Code.EXISTS]

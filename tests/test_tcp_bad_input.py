@@ -36,7 +36,8 @@ def connect(
     hello = bytearray(wire.HELLO.size)
     wire.recv_exact(s, memoryview(hello))
     _, _, _, _, nonce = wire.HELLO.unpack(hello)
-    s.sendall(wire.AUTH.pack(magic, version, 0, wire.mac(token, nonce)))
+    ours = bytes(wire.NONCE)
+    s.sendall(wire.AUTH.pack(magic, version, 0, wire.initiator_proof(token, nonce, ours), ours))
     verdict = bytearray(wire.VERDICT.size)
     wire.recv_exact(s, memoryview(verdict))
     return s, wire.VERDICT.unpack(verdict)[1]

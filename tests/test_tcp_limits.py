@@ -47,7 +47,10 @@ def handshake(s: socket.socket) -> None:
     hello = bytearray(wire.HELLO.size)
     wire.recv_exact(s, memoryview(hello))
     nonce = wire.HELLO.unpack(hello)[4]
-    s.sendall(wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, wire.mac(None, nonce)))
+    ours = bytes(wire.NONCE)
+    s.sendall(
+        wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, wire.initiator_proof(None, nonce, ours), ours)
+    )
     verdict = bytearray(wire.VERDICT.size)
     wire.recv_exact(s, memoryview(verdict))
     assert wire.VERDICT.unpack(verdict)[1] == wire.VERDICT_OK
@@ -121,7 +124,10 @@ def test_slow_handshake_is_closed_within_the_connect_timeout(
     try:
         hello = bytearray(wire.HELLO.size)
         wire.recv_exact(s, memoryview(hello))
-        auth = wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, wire.mac(None, hello[12:28]))
+        nonce, ours = wire.HELLO.unpack(hello)[4], bytes(wire.NONCE)
+        auth = wire.AUTH.pack(
+            wire.MAGIC, wire.VERSION, 0, wire.initiator_proof(None, nonce, ours), ours
+        )
         sent = trickle(s, auth, gap=0.1)  # 4 s in all; connect_timeout is 1 s
         assert sent < len(auth), "a handshake trickling in was never cut off"
         served(e, buf)

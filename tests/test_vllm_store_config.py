@@ -21,6 +21,17 @@ def test_unknown_key_names_it_and_lists_the_allowed_ones() -> None:
         StoreConnectorConfig.from_extra_config({"timout": 3})
 
 
+def test_reconnect_interval_is_a_deprecated_name_of_cooldown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with pytest.warns(DeprecationWarning, match=r"\['reconnect_interval'\] is deprecated"):
+        c = StoreConnectorConfig.from_extra_config({"reconnect_interval": 2})
+    assert c.cooldown == 2.0 and "deprecated" in caplog.text
+    assert StoreConnectorConfig.from_extra_config({"cooldown": 3}).cooldown == 3.0
+    with pytest.raises(ConfigError, match="'cooldown' twice"), pytest.warns(DeprecationWarning):
+        StoreConnectorConfig.from_extra_config({"cooldown": 3, "reconnect_interval": 2})
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -33,6 +44,9 @@ def test_unknown_key_names_it_and_lists_the_allowed_ones() -> None:
         {"master": "nohostport"},
         {"transports": []},
         {"lookup_timeout": True},
+        {"cooldown": 0},
+        {"load_async": "yes"},
+        {"model_name": 5},
     ],
 )
 def test_bad_values_are_clear_errors(extra: dict) -> None:
@@ -47,6 +61,8 @@ def test_values_are_converted() -> None:
     assert c.transports == ("tcp", "shm") and c.timeout == 2.0 and c.replicas == 2
     client = c.client_config(c.timeout)
     assert client.timeout == 2.0 and client.rpc_timeout <= 2.0 and client.master == c.master
+    assert client.replica_timeout <= client.timeout / 2  # time left to try another replica
+    assert StoreConnectorConfig.from_extra_config({"metadata": None}).metadata is None
 
 
 def test_chained_hashes_name_the_whole_prefix() -> None:

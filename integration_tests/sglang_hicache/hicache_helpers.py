@@ -97,7 +97,7 @@ def storage_config(
 
 def make_backend(master: str, pool: Any, *, extra: dict[str, Any] | None = None, **kw: Any) -> Any:
     """Our backend as SGLang's cache controller makes it: factory, then the host pool."""
-    cfg_extra = {**MODULE, "master": master, "timeout": 3.0, "retry_interval": 1.0}
+    cfg_extra = {**MODULE, "master": master, "timeout": 3.0, "cooldown": 1.0}
     cfg_extra.update(extra or {})
     cfg = storage_config(cfg_extra, layout=pool.layout, **kw)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)

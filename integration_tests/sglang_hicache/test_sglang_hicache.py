@@ -109,7 +109,7 @@ def test_tp_ranks_models_and_k_v_are_kept_apart(store: str) -> None:
         first = int(src[0])
         k_page = pools[0].kv_buffer[0, first : first + 4].contiguous().view(torch.uint8)
         v_page = pools[0].kv_buffer[1, first : first + 4].contiguous().view(torch.uint8)
-        raw = rank0.store._ready()
+        raw = rank0.store.guard.client()
         assert raw is not None
         assert raw.get(objects[0]) == k_page.numpy().tobytes()
         assert raw.get(objects[1]) == v_page.numpy().tobytes()
@@ -273,7 +273,7 @@ def test_extra_config_is_validated_and_mooncake_names_are_honoured(
         return StorageBackendFactory.create_backend("dynamic", storage_config(extra), None)
 
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
-    with pytest.raises(ValueError, match="unknown extra-config key 'mastr'"):
+    with pytest.raises(ValueError, match=r"unknown extra-config key.*'mastr'"):
         create({**MODULE, "mastr": store})
     with pytest.raises(ValueError, match="no store master"):
         create(dict(MODULE))

@@ -65,7 +65,7 @@ def test_master_killed_calls_answer_misses_then_recover_when_it_returns() -> Non
         master.kill()
         n, took = timed(lambda: backend.batch_exists(keys))
         assert n == 0 and TIMEOUT - 0.5 < took < TIMEOUT + SLACK  # waited its deadline once
-        # For retry_interval after that, calls do not wait on the dead master at all.
+        # For the cool-down after that, calls do not wait on the dead master at all.
         for call in (
             lambda: backend.batch_get_v1(keys, idx),
             lambda: backend.batch_set_v1(keys, idx),

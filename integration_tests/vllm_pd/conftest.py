@@ -15,7 +15,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama, built once per session (about 10 s)."""
-    from mooncake_connectors.adapters.vllm.tiny_model import build
+    from mooncake_connectors.bench.tiny_model import build
 
     return build(tmp_path_factory.mktemp("tiny-model"))
 

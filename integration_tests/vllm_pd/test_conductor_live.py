@@ -35,7 +35,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 from helpers import wait_until
 
-from mooncake_connectors.adapters.vllm.launch import Server, VllmServer, completion, random_prompt
+from mooncake_connectors.bench.launch import Server, VllmServer, completion, random_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 from helpers import wait_until
 
-from mooncake_connectors.adapters.vllm.launch import (
+from mooncake_connectors.bench.launch import (
     ProxyServer,
     VllmServer,
     completion,

@@ -3,20 +3,16 @@
 No model runs: the tests build vLLM's own VllmConfig, KVCacheConfig, Scheduler and Request
 objects, play the worker's part with ModelRunnerOutput / KVConnectorOutput, and check what the
 scheduler does with our answers: held and freed blocks, the transfer parameters, the blocks the
-worker is told to fill, recompute after load errors. The last tests drive the worker side's
-bookkeeping (Done, leases, failed loads) with a real side-channel socket.
+worker is told to fill, recompute after load errors. The worker side's transfer session is
+engine-free and tested in tests/pd; here only its vLLM glue.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
-from helpers import wait_until
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
@@ -36,19 +32,11 @@ from vllm.v1.structured_output import StructuredOutputManager
 from mooncake_connectors.adapters.vllm import plugin
 from mooncake_connectors.adapters.vllm.config import PDConfig
 from mooncake_connectors.adapters.vllm.connector import MooncakeConnectorsPD
-from mooncake_connectors.adapters.vllm.metadata import (
-    PDConnectorMetadata,
-    PDHandshake,
-    PushRecvSpec,
-    PushSendStep,
-    RecvSpec,
-    RemotePrefill,
-    RemotePush,
-    prompt_hash,
-)
-from mooncake_connectors.adapters.vllm.side_channel import Done, decode
+from mooncake_connectors.adapters.vllm.metadata import PDConnectorMetadata, PDHandshake
 from mooncake_connectors.adapters.vllm.worker import PDWorker
 from mooncake_connectors.errors import ConfigError, PluginError
+from mooncake_connectors.pd.params import prompt_hash
+from mooncake_connectors.pd.plan import PushSendStep
 
 pytestmark = pytest.mark.vllm
 
@@ -278,71 +266,27 @@ def test_decode_with_a_local_prefix_hit_loads_only_the_rest(tiny_model: Path) ->
     assert out.num_scheduled_tokens == {"d-5": 1}
 
 
-# -- worker-side bookkeeping (no KV registered: the lease and Done logic, failure reporting) --
+# -- the worker glue (the session itself is tested engine-free in tests/pd) --------------------
 
 
-def make_worker(model: Path, **extra: Any) -> PDWorker:
-    s = make_scheduler(model, "kv_both", extra)
-    return PDWorker(PDConfig.from_extra_config(extra), s.vllm_config, "eng", NUM_BLOCKS)
-
-
-def test_worker_frees_prefill_blocks_on_done_from_every_reader_or_at_lease_end(
-    tiny_model: Path,
+def test_worker_takes_block_size_tp_and_rank_from_vllm(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    w = make_worker(tiny_model, kv_lease=30, transfer_timeout=1)
+    # vLLM's tensor-parallel group is not set up without a model runner: rank 0.
+    import vllm.distributed.parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    s = make_scheduler(tiny_model, "kv_both")
+    w = PDWorker(PDConfig.from_extra_config({}), s.vllm_config, "eng", NUM_BLOCKS, 2)
     try:
-        w._on_done(Done("eng", ["early"], 0, 1))  # Done may beat the scheduler's metadata
-        w._on_done(Done("other-engine", ["a"], 0, 1))  # not ours: ignored
-        w.start_load_kv(PDConnectorMetadata(send={"a": 30.0, "early": 30.0, "b": 0.3}))
-        assert w.get_finished() == ({"early"}, None)
-        w._on_done(Done("eng", ["a"], 0, 2))  # the first of two decode ranks
-        assert w.get_finished() == (None, None)
-        w._on_done(Done("eng", ["a"], 0, 2))  # the same rank again does not count twice
-        assert w.get_finished() == (None, None)
-        w._on_done(Done("eng", ["a"], 1, 2))
-        assert w.get_finished() == ({"a"}, None)
-        wait_until(lambda: w.get_finished()[0] == {"b"}, 5, "the lease of b to end")
-        assert w.stats.take() is not None  # the expired lease was counted
+        assert (w.block_size, w.tp_size) == (BS, 1) and w.handshake() is None
+        shape = (NUM_BLOCKS, 2, BS, 2 * 64)  # vLLM's CPU layout, 2 KV heads of 64
+        w.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(shape)})
+        assert w.layout is not None and w.layout.block_size == BS
+        assert w.handshake() == PDHandshake(0, w.layout.side_channel)
+        assert w.stats.take() is None  # vLLM's stats type, nothing recorded yet
     finally:
         w.shutdown()
-
-
-def test_worker_reports_blocks_of_an_unreachable_prefill_as_load_errors(tiny_model: Path) -> None:
-    ctx = zmq.Context.instance()
-    mute = ctx.socket(zmq.ROUTER)  # a side channel that never answers
-    mute.setsockopt(zmq.LINGER, 0)
-    port = mute.bind_to_random_port("tcp://127.0.0.1")
-    w = make_worker(tiny_model, handshake_timeout=0.5, transfer_timeout=2)
-    try:
-        remote = RemotePrefill.parse(
-            remote_params(PROMPT, remote_side_channels=[f"tcp://127.0.0.1:{port}"])
-        )
-        assert remote is not None
-        w.start_load_kv(PDConnectorMetadata(recv=[RecvSpec("d-9", [4, 5, 6], [1, 2, 3], remote)]))
-        t0 = time.monotonic()
-        wait_until(lambda: "d-9" in (w._recv_done or ()), 10, "the failed load to finish")
-        assert time.monotonic() - t0 < 5
-        assert w.get_finished() == (None, {"d-9"})
-        assert w.take_load_errors() == {4, 5, 6}
-        assert w.take_load_errors() == set()
-        # a load queued right behind it fails at once rather than waiting out its own deadline
-        w.start_load_kv(PDConnectorMetadata(recv=[RecvSpec("d-10", [7], [1], remote)]))
-        t0 = time.monotonic()
-        wait_until(lambda: "d-10" in (w._recv_done or ()), 5, "the second load to fail")
-        assert time.monotonic() - t0 < 0.4
-        assert w.get_finished() == (None, {"d-10"}) and w.take_load_errors() == {7}
-        # and the prefill was told (after the unanswered layout request), so it frees its
-        # blocks before the lease ends
-        got = []
-        while mute.poll(2000):
-            _identity, payload = mute.recv_multipart()
-            got.append(decode(payload))
-            if isinstance(got[-1], Done):
-                break
-        assert got[-1] == Done("prefill-engine", ["p-1"], 0, 1), got
-    finally:
-        w.shutdown()
-        mute.close()
 
 
 # -- layer-wise push: the scheduler side -----------------------------------------------------
@@ -421,120 +365,12 @@ def test_decode_computes_the_prompt_when_it_cannot_take_a_push(tiny_model: Path)
     assert out.num_scheduled_tokens == {"d-3": 100}
 
 
-# -- layer-wise push: two workers, real KV tensors, real side channels and transfer engine ----
-
-
-def _kv(fill: bool) -> dict[str, torch.Tensor]:
-    shape = (NUM_BLOCKS, 2, BS, 2 * 64)  # vLLM's CPU layout, 2 KV heads of 64
-    gen = torch.Generator().manual_seed(1)
-    return {
-        f"model.layers.{i}.self_attn.attn": (
-            torch.randn(shape, generator=gen).to(torch.bfloat16)
-            if fill
-            else torch.zeros(shape, dtype=torch.bfloat16)
-        )
-        for i in range(2)
-    }
-
-
-@pytest.fixture()
-def workers(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[PDWorker, PDWorker, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    """A prefill and a decode worker (accepting pushes) with registered KV: (prefill, decode,
-    prefill's KV, decode's KV)."""
-    # vLLM's tensor-parallel group is not set up without a model runner: rank 0.
-    import vllm.distributed.parallel_state as ps
-
-    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
-    s = make_scheduler(tiny_model, "kv_both")
-    cfg = PDConfig.from_extra_config({"accept_push": True, "transfer_timeout": 3})
-    prefill = PDWorker(cfg, s.vllm_config, "eng-p", NUM_BLOCKS, 2)
-    dec = PDWorker(cfg, s.vllm_config, "eng-d", NUM_BLOCKS, 2)
-    src, dst = _kv(True), _kv(False)
-    try:
-        prefill.register_kv_caches(src)
-        dec.register_kv_caches(dst)
-        yield prefill, dec, src, dst
-    finally:
-        prefill.shutdown()
-        dec.shutdown()
-
-
-@pytest.mark.parametrize("target_first", [True, False])
-def test_push_writes_each_layer_into_the_decode_blocks(workers: Any, target_first: bool) -> None:
-    prefill, dec, src, dst = workers
-    assert prefill.layout is not None
-    remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
-    recv = PushRecvSpec("d-1", [40, 41, 42], 1, 60, prompt_hash(PROMPT[:60]), remote)
-    send = PushSendStep("p-1", "pid", [5, 6, 7, 8], 4, 60, prompt_hash(PROMPT[:60]), True)
-    step_meta = PDConnectorMetadata(push_send=[send])
-
-    def forward() -> None:
-        for name in src:
-            prefill.save_kv_layer(name, step_meta)
-        prefill.start_load_kv(step_meta)  # after the forward, as vLLM does: no double count
-        prefill.wait_for_save()
-
-    if target_first:
-        dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
-        wait_until(lambda: prefill._pushes.get("pid") is not None, 5, "the push target")
-        forward()
-    else:  # the prefill computed everything before the decode allocated: caught up
-        forward()
-        dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
-    wait_until(lambda: "d-1" in dec._recv_done, 10, "the push to end")
-    assert dec.get_finished() == (None, {"d-1"}) and dec.take_load_errors() == set()
-    for name in src:  # prefill blocks 6, 7, 8 (from first_block 1) -> decode 40, 41, 42
-        assert torch.equal(dst[name][40:43], src[name][6:9])
-        assert not dst[name][43].any() and not dst[name][39].any()
-    stats = dec.stats.take()
-    assert stats is not None and len(stats.data["pushes"]) == 1
-    assert (sum(stats.data["push_overlapped_bytes"]) > 0) == target_first
-    # Pushed: the prefill frees the blocks as soon as vLLM hands them over (no Done needed).
-    prefill.start_load_kv(PDConnectorMetadata(send={"p-1": 30.0}))
-    wait_until(lambda: prefill.get_finished()[0] == {"p-1"}, 5, "the blocks to be freed")
-
-
-def test_push_for_other_tokens_is_refused_and_the_decode_recomputes(workers: Any) -> None:
-    prefill, dec, src, dst = workers
-    assert prefill.layout is not None
-    remote = RemotePush("pid", "eng-p", (prefill.layout.side_channel,), 1)
-    recv = PushRecvSpec("d-1", [40, 41], 0, 32, prompt_hash(PROMPT[:32]), remote)
-    dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
-    wait_until(lambda: prefill._pushes.get("pid") is not None, 5, "the push target")
-    other = PushSendStep("p-1", "pid", [5, 6], 2, 32, prompt_hash(PROMPT[1:33]), True)
-    m = PDConnectorMetadata(push_send=[other])
-    for name in src:
-        prefill.save_kv_layer(name, m)
-    prefill.wait_for_save()
-    wait_until(lambda: "d-1" in dec._recv_done, 10, "the refusal")
-    assert dec.take_load_errors() == {40, 41}
-    assert not dst["model.layers.0.self_attn.attn"][40:42].any()  # nothing was written
-
-
-def test_decode_gives_up_on_a_push_that_never_comes(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import vllm.distributed.parallel_state as ps
-
-    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
-    s = make_scheduler(tiny_model, "kv_both")
-    cfg = PDConfig.from_extra_config({"accept_push": True, "transfer_timeout": 0.5})
-    dec = PDWorker(cfg, s.vllm_config, "eng-d", NUM_BLOCKS, 2)
-    ctx = zmq.Context.instance()
-    mute = ctx.socket(zmq.ROUTER)  # a prefill that takes the target and never pushes
-    mute.setsockopt(zmq.LINGER, 0)
-    port = mute.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        dec.register_kv_caches(_kv(False))
-        remote = RemotePush("pid", "eng-p", (f"tcp://127.0.0.1:{port}",), 1)
-        recv = PushRecvSpec("d-1", [3, 4], 0, 32, prompt_hash(PROMPT[:32]), remote)
-        t0 = time.monotonic()
-        dec.start_load_kv(PDConnectorMetadata(push_recv=[recv]))
-        wait_until(lambda: dec.get_finished()[1] == {"d-1"}, 10, "the decode to give up")
-        assert time.monotonic() - t0 < 0.5 + 3  # its deadline plus the grace for late writes
-        assert dec.take_load_errors() == {3, 4}
-    finally:
-        dec.shutdown()
-        mute.close()
+def test_malformed_transfer_params_are_ignored_and_the_prompt_computed(tiny_model: Path) -> None:
+    s = make_scheduler(tiny_model, "kv_consumer", {"accept_push": True})
+    bad_pull = remote_params(PROMPT, remote_tp_size="one")
+    bad_push = push_params(remote_side_channels=[])
+    s.add_request(request("d-1", PROMPT, 2, bad_pull))
+    s.add_request(request("d-2", PROMPT[::-1], 2, bad_push))  # no prefix shared with d-1
+    out, _ = step(s, {"d-1": 1, "d-2": 1})
+    assert out.num_scheduled_tokens == {"d-1": 100, "d-2": 100}
+    assert meta(out).recv == [] and meta(out).push_recv == []

@@ -24,7 +24,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 from helpers import wait_until
 
 from mooncake_connectors.adapters.keys import Shard
-from mooncake_connectors.adapters.vllm.launch import (
+from mooncake_connectors.adapters.vllm.store_keys import BlockKeys, prompt_block_hashes
+from mooncake_connectors.bench.launch import (
     StoreMaster,
     StoreServerProcess,
     VllmServer,
@@ -32,7 +33,6 @@ from mooncake_connectors.adapters.vllm.launch import (
     random_prompt,
     token_ids,
 )
-from mooncake_connectors.adapters.vllm.store_keys import BlockKeys, prompt_block_hashes
 from mooncake_connectors.store import ClientConfig, StoreClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -56,7 +56,7 @@ def kv_config(master: str, load_async: bool) -> dict[str, Any]:
             "master": master,
             "timeout": TIMEOUT,
             "lookup_timeout": 1.0,
-            "reconnect_interval": 2.0,
+            "cooldown": 2.0,
             "load_async": load_async,
         },
     }

@@ -117,8 +117,8 @@ def make_scheduler(
 def connected(s: Scheduler) -> Scheduler:
     store = s.connector.scheduler.store
     assert store.wait_connected(10)
-    # connected with the store-call deadline, then held to the lookup deadline
-    assert store.get().cfg.timeout == store.config.lookup_timeout
+    # one client config, built before the client started: every call held to the lookup deadline
+    assert store.client().cfg.timeout == s.connector.scheduler.config.lookup_timeout
     return s
 
 
@@ -254,7 +254,7 @@ def test_producer_never_looks_up(tiny_model: Path, store) -> None:
 
 
 def test_no_store_no_hits_no_saves_no_waiting(tiny_model: Path) -> None:
-    s = make_scheduler(tiny_model, f"127.0.0.1:{free_port()}", reconnect_interval=0.5)
+    s = make_scheduler(tiny_model, f"127.0.0.1:{free_port()}", cooldown=0.5)
     idle = free_blocks(s)
     t0 = time.monotonic()
     s.add_request(request("r7", PROMPT, 1))

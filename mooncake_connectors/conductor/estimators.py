@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -30,13 +31,19 @@ from ..errors import ConfigError
 def _check_nonneg(**values: float) -> None:
     for name, v in values.items():
         if not math.isfinite(v) or v < 0:
-            raise ConfigError(f"{name} must be a finite number >= 0", **{name: v})
+            raise ConfigError(f"{name} must be a finite number >= 0", **_option(name, v))
 
 
 def _check_pos(**values: float) -> None:
     for name, v in values.items():
         if not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"{name} must be a finite number > 0", **{name: v})
+            raise ConfigError(f"{name} must be a finite number > 0", **_option(name, v))
+
+
+def _option(name: str, value: float) -> dict[str, Any]:
+    # The option's own name carries the bad value (ConfigError's context); typed Any because the
+    # name is only known at run time, and none of these is one of ConfigError's declared fields.
+    return {name: value}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,8 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
+from ..pd import params as pdp
 from .estimators import DecodeModel, PrefillModel, TransferModel
 from .live import CacheSource, KVEventSubscriber, LiveConductor, parse_vllm_metrics
 from .scheduler import Conductor, ConductorConfig
@@ -56,8 +57,6 @@ log = logging.getLogger(__name__)
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
-# what a prefill answer says about its engine that a pushed decode request needs
-_PUSH_KEYS = ("remote_engine_id", "remote_side_channels", "remote_tp_size")
 
 
 class UpstreamError(Exception):
@@ -117,7 +116,7 @@ class PDProxy:
         self.metrics_errors: dict[str, str] = {}
         self.push = push
         # prefill URL -> where its engine's side channels are (from its last answer), for push
-        self.prefill_engines: dict[str, dict[str, Any]] = {}
+        self.prefill_engines: dict[str, pdp.PrefillEngine] = {}
         self._legs: set[asyncio.Task[Any]] = set()  # prefill legs running beside their decode
         self.tokenize = {"calls": 0, "total_s": 0.0, "max_s": 0.0}
         self.app = web.Application()
@@ -278,9 +277,7 @@ class PDProxy:
         leg["stream"] = False
         for key in ("stream_options", "min_tokens", "n", "best_of"):
             leg.pop(key, None)  # one token, one sequence: nothing that contradicts max_tokens=1
-        leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
-        if push_id is not None:
-            leg["kv_transfer_params"]["push_id"] = push_id
+        leg["kv_transfer_params"] = pdp.encode(pdp.PrefillLeg(push_id=push_id))
         base = url if url is not None else self.prefill[next(self._next_prefill)]
         target = base + path
         try:
@@ -295,9 +292,10 @@ class PDProxy:
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict):
             return None
-        engine = {k: params.get(k) for k in _PUSH_KEYS}
-        if all(engine.values()):
-            self.prefill_engines[base] = engine
+        # What the answer says about the prefill's engine, for later pushed decode requests; the
+        # params themselves go to the decode instance as they are, which validates them.
+        with contextlib.suppress(ProtocolError):
+            self.prefill_engines[base] = pdp.decode(params, pdp.PrefillEngine)
         return params
 
     def _push_params(self, prefill: str) -> tuple[str, dict[str, Any]] | None:
@@ -305,7 +303,7 @@ class PDProxy:
         if engine is None:
             return None
         push_id = uuid.uuid4().hex
-        return push_id, {"do_remote_prefill": True, "push_id": push_id, **engine}
+        return push_id, pdp.encode(pdp.PushParams.to(engine, push_id))
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:

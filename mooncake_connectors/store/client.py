@@ -31,9 +31,11 @@ from ..errors import (
     StoreError,
 )
 from ..transfer_core.engine import TransferEngine
+from ..transfer_core.memory import unmapped
 from .config import ClientConfig, ServerConfig
 from .link import MasterLink
 from .protocol import (
+    MAX_KEY,
     Bools,
     Code,
     Codes,
@@ -71,6 +73,21 @@ def _bytes_data_offset() -> int:
 
 
 _BYTES_DATA = _bytes_data_offset()
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Refuse (ConfigError, naming the key) a key the master would not take: not a string,
+    empty, longer than ``MAX_KEY`` characters, or not encodable as UTF-8 (a lone surrogate)."""
+    for key in keys:
+        if type(key) is not str or not 0 < len(key) <= MAX_KEY:
+            raise ConfigError(
+                f"keys are strings of 1..{MAX_KEY} characters, got {key!r:.80}", key=key
+            )
+        if not key.isascii():
+            try:
+                key.encode()
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"key {key!r:.80} is not valid UTF-8: {exc.reason}") from None
 
 
 def _as_bytes(value: Any) -> memoryview:
@@ -111,6 +128,7 @@ class StoreClient:
             metadata=cfg.metadata or hello.metadata,
             transports=cfg.transports,
             timeout=cfg.timeout,
+            auth_token=cfg.auth_token,
         )
         self.engine = TransferEngine(ecfg).start()
         try:
@@ -246,6 +264,9 @@ class StoreClient:
 
     def _put(self, keys: list[str], srcs: list[Source], **opts: Any) -> list[Result]:
         assert self._writer is not None
+        check_keys(keys)
+        if opts.get("preferred_segment"):
+            check_keys([opts["preferred_segment"]])
         return self._writer.put(keys, srcs, **opts)
 
     def _stage(self, sizes: Sequence[int]) -> contextlib.AbstractContextManager[list[int]]:
@@ -262,17 +283,15 @@ class StoreClient:
 
     # -- gets -------------------------------------------------------------------------------
     def _lookup(self, keys: list[str], deadline: float) -> list[Loc | None]:
+        check_keys(keys)
         reply = self._master(Get(keys), deadline)
         if not isinstance(reply, Locs):
             raise self._reply_error(reply, keys[0] if keys else "")
         return reply.items
 
     def get(self, key: str) -> bytes | None:
-        """The value, or None on a miss."""
-        out = self.get_batch([key])[0]
-        if isinstance(out, MooncakeConnectorsError):
-            raise out
-        return out
+        """The value, or None on a miss (an unreadable key also reads as a miss)."""
+        return self.get_batch([key])[0]
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values in order; None for a miss (an unreadable key also reads as a miss)."""
@@ -314,7 +333,7 @@ class StoreClient:
         ):
             return None  # memory someone registered and freed: stay out of its way
         try:
-            regions = self.engine.register_many(ranges, owner=values)
+            regions = self.engine.register_many(ranges, owner=values, check=False)  # our bytes
         except MooncakeConnectorsError as exc:
             log.debug("direct get unavailable (%s); staging instead", exc)
             return None
@@ -363,8 +382,16 @@ class StoreClient:
                 )
                 continue
             todo.append((i, loc))
-        # Unregistered destinations are read through staging, then copied.
-        unreg = [k for k, (i, loc) in enumerate(todo) if not self._registered(addrs[i], loc.size)]
+        # Unregistered destinations are read through staging, then copied: memory that is not
+        # writable there is refused rather than copied into (which would crash the process).
+        raw = [k for k, (i, loc) in enumerate(todo) if not self._registered(addrs[i], loc.size)]
+        bad = unmapped([(addrs[todo[k][0]], todo[k][1].size) for k in raw], write=True)
+        for j, exc in bad.items():
+            out[todo[raw[j]][0]] = exc
+        refused, unregistered = {raw[j] for j in bad}, set(raw)
+        kept = [k for k in range(len(todo)) if k not in refused]
+        unreg = [n for n, k in enumerate(kept) if k in unregistered]  # indices into the new todo
+        todo = [todo[k] for k in kept]
         with self._stage([todo[k][1].size for k in unreg]) as tmp:
             dests = [addrs[i] for i, _ in todo]
             for k, addr in zip(unreg, tmp, strict=True):
@@ -385,6 +412,7 @@ class StoreClient:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        check_keys(keys)
         reply = self._master(Exists(list(keys)), self._deadline())
         if not isinstance(reply, Bools):
             raise self._reply_error(reply, keys[0] if keys else "")
@@ -393,6 +421,7 @@ class StoreClient:
     def remove(self, key: str, *, force: bool = False) -> bool:
         """True if removed, False if there was no such key. A leased object disappears at once;
         its memory is reused when the lease ends (``force`` frees it now)."""
+        check_keys([key])
         reply = self._master(Remove([key], force), self._deadline())
         if not isinstance(reply, Codes):
             raise self._reply_error(reply, key)

@@ -166,7 +166,8 @@ class ServerConfig:
     ssd_dir/ssd_size: where and how much evicted data is spilled instead of dropped.
     bounce_size: registered memory through which SSD reads are served to clients.
     metadata: override the engines' metadata backend the master announces.
-    auth_token: the master's shared secret; the server's load endpoint requires it too.
+    auth_token: the master's shared secret; the server's transfer engine (its data port and its
+    p2p metadata endpoint) and its load endpoint require it too.
     """
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
@@ -206,7 +207,8 @@ class ClientConfig:
     registered staging memory for put/get of Python bytes (larger values use a temporary
     buffer). timeout: deadline of one store call. rpc_timeout: deadline of one control message.
     replica_timeout: deadline of one read attempt when another replica is left to try.
-    auth_token: the store's shared secret (master and store servers), if it has one.
+    auth_token: the store's shared secret (master and store servers), if it has one; the
+    client's own transfer engine requires it too, and refuses servers that cannot prove it.
     """
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from . import tier
 from .allocator import aligned
-from .protocol import stripe_bounds
+from .protocol import stripe_bounds, stripe_count
 from .records import HARD, SHIFT, SOFT, SPILLING, Obj
 
 if TYPE_CHECKING:
@@ -96,3 +96,83 @@ def mem_bytes(st: MasterState, obj: Obj) -> int:
     nst = len(locs) // nrep
     per = aligned(stripe_bounds(obj.size, nst)[0][1])
     return per * sum(1 for x in locs if x >= 0 and (x >> SHIFT) in st.segments)
+
+
+def fits(st: MasterState, room: dict[int, int], size: int, nrep: int) -> bool:
+    """Whether a put of ``size`` bytes and ``nrep`` replicas could be placed given ``room``
+    (segment id -> free bytes), counting bytes only: the allocator also needs them contiguous,
+    so True is an upper bound. Mirrors ``MasterState._place``: a small one-copy value goes to one
+    segment; otherwise every stripe needs its copies on distinct servers."""
+    order = [s for s in st._order if s.id in room]
+    if not order:
+        return False
+    if nrep == 1 and size <= st.cfg.stripe_size:
+        need = aligned(size)
+        return any(room[s.id] >= need for s in order)
+    nst = stripe_count(size, st.cfg.stripe_size)
+    nrep = min(max(1, nrep), len({s.server for s in order}))
+    left = dict(room)
+    for _, length in stripe_bounds(size, nst):
+        need = aligned(length)
+        used_by: set[object] = set()
+        for _ in range(nrep):
+            best = None
+            for s in order:  # the roomiest segment of a server this stripe does not use yet
+                if (
+                    s.server not in used_by
+                    and left[s.id] >= need
+                    and (best is None or left[s.id] > left[best.id])
+                ):
+                    best = s
+            if best is None:
+                return False
+            left[best.id] -= need
+            used_by.add(best.server)
+    return True
+
+
+def could_ever_fit(st: MasterState, size: int, nrep: int) -> bool:
+    """Whether the put fits the mounted segments were they all empty: if not, no eviction helps."""
+    return fits(st, {s.id: s.alloc.size for s in st._order if s.alloc is not None}, size, nrep)
+
+
+def plan(st: MasterState, size: int, nrep: int, now: float) -> list[str] | None:
+    """The fewest least-recently-used victims whose memory, with what is free now, makes room
+    for the put (bytes counted per segment); None when even every evictable object examined
+    would not, so that nothing is evicted for a put that fails anyway."""
+    room = {s.id: s.alloc.free for s in st._order if s.alloc is not None}
+    if size <= st.cfg.stripe_size:
+        least = aligned(size)
+    else:
+        nst = stripe_count(size, st.cfg.stripe_size)
+        least = sum(aligned(n) for _, n in stripe_bounds(size, nst))
+    total = sum(room.values())
+    chosen: list[str] = []
+    seen: set[str] = set()
+    for soft in (False, True):
+        for key in victims(st, now, soft, EVICT_SCAN):
+            obj = st.objects.get(key)
+            if obj is None or key in seen:
+                continue
+            seen.add(key)
+            chosen.append(key)
+            for seg_id, n in _seg_bytes(obj):
+                if seg_id in room:
+                    room[seg_id] += n
+                    total += n
+            if total >= least and fits(st, room, size, nrep):
+                return chosen
+    return None
+
+
+def _seg_bytes(obj: Obj) -> list[tuple[int, int]]:
+    """(segment id, bytes) of each memory copy of ``obj``."""
+    locs = obj.locs
+    if type(locs) is int:
+        return [(locs >> SHIFT, aligned(obj.size))] if locs >= 0 else []
+    nrep = obj.meta >> 8
+    if not locs or not nrep:
+        return []
+    nst = len(locs) // nrep
+    bounds = stripe_bounds(obj.size, nst)
+    return [(x >> SHIFT, aligned(bounds[i % nst][1])) for i, x in enumerate(locs) if x >= 0]

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..config import bearer_ok, info_needs_token
 from ..errors import ConfigError
 from ..netguard import GuardedHandler, GuardedHTTPServer
 from .config import MasterConfig
@@ -352,6 +353,8 @@ class Master:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         master = self
+        token = self.cfg.auth_token or ""
+        guarded = info_needs_token(host, token)
         registry = CollectorRegistry(auto_describe=False)
         counters = set(self.state.counters)
 
@@ -371,6 +374,9 @@ class Master:
                 log.debug("http %s", format % args)
 
             def do_GET(self) -> None:
+                if guarded and not bearer_ok(self.headers.get("Authorization"), token):
+                    self.send_error(401, "missing or wrong token")
+                    return
                 if self.path.startswith("/metrics"):
                     body, ctype = generate_latest(registry), "text/plain; version=0.0.4"
                 elif self.path.startswith("/health"):

@@ -68,7 +68,8 @@ class Reader:
                 r = 0
             else:
                 try:
-                    r = 1 if self.engine.peer(segment).host_id == self._host else 2
+                    peer = self.engine.peer(segment, self.replica_timeout)
+                    r = 1 if peer.host_id == self._host else 2
                 except MooncakeConnectorsError:
                     return 12  # unknown now; do not cache
             self._rank[segment] = r
@@ -109,7 +110,7 @@ class Reader:
                 self.engine.transfer(coalesce(reqs), timeout=timeout)
                 break
             except MooncakeConnectorsError as exc:
-                bad, why = exc.peer, exc
+                bad, why = getattr(exc, "peer", None), exc  # only peer errors name one
             if isinstance(bad, str) and any(s.cands[s.i][0] == bad for s in active):
                 # The error names the copy's segment: move its stripes on, read all again.
                 self._suspect[bad] = time.monotonic() + SUSPECT_TTL

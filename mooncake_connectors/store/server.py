@@ -104,8 +104,13 @@ class StoreServer:
             raise StoreError(f"master refused hello: {getattr(hello, 'message', hello)}")
         self.heartbeat = hello.heartbeat_ms / 1000
         if self.engine is None:
+            # The store's token guards the data plane too: without it any local process could
+            # read or overwrite stored values through this engine.
             ecfg = EngineConfig(
-                host=cfg.host, metadata=cfg.metadata or hello.metadata, transports=cfg.transports
+                host=cfg.host,
+                metadata=cfg.metadata or hello.metadata,
+                transports=cfg.transports,
+                auth_token=cfg.auth_token,
             )
             self.engine = TransferEngine(ecfg).start()
         try:

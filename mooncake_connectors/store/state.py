@@ -240,43 +240,48 @@ class MasterState:
             if seg is not None and seg.alloc is not None:
                 seg.alloc.release(loc & MASK, bounds[i % nst][1])
 
-    def _fits_anywhere(self, size: int) -> bool:
-        nst = stripe_count(size, self.cfg.stripe_size)
-        need = aligned(stripe_bounds(size, nst)[0][1])
-        return any(s.alloc is not None and s.alloc.size >= need for s in self._order)
-
     def allocate(
         self, size: int, nrep: int, preferred: str, now: float
     ) -> tuple[list[int], int] | Code:
         placed = self._place(size, nrep, preferred)
         if placed is not None:
             return placed
-        if self._order and not self._fits_anywhere(size):
-            return Code.NO_SPACE  # larger than any segment: no eviction can help
+        if self._order and not eviction.could_ever_fit(self, size, nrep):
+            return Code.NO_SPACE  # larger than the segments can hold: no eviction can help
         if self.settling(now):  # servers are (re)registering and re-reporting: room comes soon
             return Code.BUSY
         if not self._order:
             return Code.NO_SPACE
-        # Evict LRU objects until the placement fits (bounded scan per call). Spilled victims
-        # free their memory only once the server wrote them: then the caller should retry.
+        # Choose LRU victims that make room before evicting any: a put that cannot fit even so
+        # evicts nothing. Spilled victims free their memory only once the server wrote them:
+        # then the caller should retry.
+        chosen = eviction.plan(self, size, nrep, now)
+        if chosen is None:
+            return Code.BUSY if self.spilling else Code.NO_SPACE
         need = aligned(size) * max(1, nrep)
         spilling = 0
-        for soft in (False, True):
-            for key in eviction.victims(self, now, soft, eviction.EVICT_SCAN):
-                n_spill = len(self.spilling)
-                obj = self.objects.get(key)
-                if obj is None:
-                    continue
-                nbytes = eviction.mem_bytes(self, obj)
-                eviction.evict(self, key, now)
-                if len(self.spilling) > n_spill:
-                    spilling += nbytes
-                    if spilling >= need:
-                        return Code.BUSY
-                    continue
-                placed = self._place(size, nrep, preferred)
-                if placed is not None:
-                    return placed
+        # The plan counts bytes, not contiguous ranges: when the chosen victims leave holes too
+        # scattered for the put, more LRU victims follow (a bounded scan, as the plan's).
+        more = (
+            k
+            for soft in (False, True)
+            for k in eviction.victims(self, now, soft, eviction.EVICT_SCAN)
+        )
+        for key in itertools.chain(chosen, more):
+            n_spill = len(self.spilling)
+            obj = self.objects.get(key)
+            if obj is None:
+                continue
+            nbytes = eviction.mem_bytes(self, obj)
+            eviction.evict(self, key, now)
+            if len(self.spilling) > n_spill:
+                spilling += nbytes
+                if spilling >= need:
+                    return Code.BUSY
+                continue
+            placed = self._place(size, nrep, preferred)
+            if placed is not None:
+                return placed
         # spills still being written (this call's or earlier ones) free memory soon: retry
         return Code.BUSY if spilling or self.spilling else Code.NO_SPACE
 
@@ -482,7 +487,13 @@ class MasterState:
         # One placement start per call, not per key: a batch lands back to back in the same
         # segments (its transfers then merge); successive calls rotate over the segments.
         self._rr = (self._rr + 1) % max(1, len(self._order))
+        seen: set[str] = set()
         for key, size in zip(keys, sizes, strict=True):
+            if key in seen:  # a key twice in one put: its first value is stored, later ones are not
+                codes.append(Code.EXISTS)
+                out.append([])
+                continue
+            seen.add(key)
             obj = self.objects.get(key)
             if obj is not None and (
                 self.loc(key, obj, now) is not None or self.objects.get(key) is obj

@@ -30,7 +30,7 @@ from ..errors import (
     StoreError,
 )
 from ..transfer_core.engine import TransferEngine, TransferRequest
-from ..transfer_core.memory import view
+from ..transfer_core.memory import unmapped, view
 from ..types import Access, TransferOp, TransferStatus
 from .coalesce import coalesce
 from .link import MasterLink
@@ -75,6 +75,14 @@ def _buffer_address(mv: memoryview) -> int:
     import numpy as np
 
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+
+
+def _unmapped(srcs: list[Source], which: list[int]) -> dict[int, MooncakeConnectorsError]:
+    """The raw (unregistered) sources among ``which`` that are not readable memory: refused
+    with AccessViolation rather than copied (and crashing the process)."""
+    raws = [i for i in which if isinstance(srcs[i][2], Raw)]
+    bad = unmapped([(srcs[i][0], srcs[i][1]) for i in raws])
+    return {raws[k]: exc for k, exc in bad.items()}
 
 
 def error_for(code: int, key: str, what: str = "") -> StoreError:
@@ -202,12 +210,17 @@ class Writer:
             todo = busy
             if todo:
                 time.sleep(_BUSY_PAUSE)
+        refused = _unmapped(srcs, list(allocs))  # checked once placed: touched only then
+        for i in refused:
+            del allocs[i]
         placed = sorted(allocs)
         with self._materialize([srcs[i] for i in placed]) as where:
             addrs = [a for a, _, _ in srcs]
             for i, addr in zip(placed, where, strict=True):
                 addrs[i] = addr
-            return self._write_and_commit(keys, srcs, addrs, allocs, put_id, results, deadline)
+            return self._write_and_commit(
+                keys, srcs, addrs, allocs, put_id, results, deadline, refused
+            )
 
     @contextlib.contextmanager
     def _materialize(self, srcs: list[Source]) -> Iterator[list[int]]:
@@ -268,7 +281,7 @@ class Writer:
                 return False  # overlaps memory registered otherwise
             if fresh:
                 try:
-                    regions = self.engine.register_many(fresh, access=Access.READ)
+                    regions = self.engine.register_many(fresh, access=Access.READ, check=False)
                 except MooncakeConnectorsError as exc:
                     log.debug("direct put unavailable (%s); staging instead", exc)
                     return False
@@ -320,6 +333,10 @@ class Writer:
             return 0
         if not rid or until < time.monotonic():
             return 0
+        bad = _unmapped([src], [0])
+        if bad:
+            self._keep_spare(size, replicas, (rid, stripes))  # unused: still ours
+            return bad[0]
         deadline = time.monotonic() + self.timeout
         with self._materialize([src]) as (addr,):
             reqs = [
@@ -365,7 +382,9 @@ class Writer:
         put_id: int,
         results: list[Result],
         deadline: float,
+        refused: dict[int, MooncakeConnectorsError],
     ) -> list[Result]:
+        """Write the placed keys, then commit them; ``refused`` keys' allocations are revoked."""
         assert self.engine is not None
         reqs: list[TransferRequest] = []
         owner: list[int] = []
@@ -377,7 +396,7 @@ class Writer:
                     for seg, remote in copies:
                         reqs.append(TransferRequest(TransferOp.WRITE, seg, addr + off, remote, n))
                         owner.append(i)
-        failed: dict[int, MooncakeConnectorsError] = {}
+        failed = dict(refused)
         if reqs:
             left = max(0.001, min(deadline - time.monotonic(), self.put_lease * 0.4))
             try:  # transfer() copies in this thread when it can: no hand-off for the waiter

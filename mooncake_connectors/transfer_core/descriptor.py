@@ -13,6 +13,7 @@ import socket
 import msgspec
 
 from ..errors import MetadataError
+from ..types import LocationKind, parse_location
 
 # Bumped on any incompatible change of descriptors or frames; peers refuse other versions.
 PROTOCOL_VERSION = 1
@@ -35,6 +36,11 @@ class RegionDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     @property
     def end(self) -> int:
         return self.addr + self.length
+
+    @property
+    def kind(self) -> LocationKind:
+        """The memory kind of ``location`` (validated when the descriptor is built or decoded)."""
+        return _location_kind(self.location)
 
     def contains(self, addr: int, length: int) -> bool:
         return self.addr <= addr and addr + length <= self.end
@@ -61,6 +67,13 @@ class SegmentDesc(msgspec.Struct, frozen=True, omit_defaults=True):
         return None
 
 
+@functools.lru_cache(maxsize=256)
+def _location_kind(location: str) -> LocationKind:
+    # Transports ask on every reachability check; a process sees a handful of distinct
+    # locations, so each string is parsed once.
+    return parse_location(location)[0]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SegmentDesc)
 
@@ -80,6 +93,11 @@ def decode_segment(data: bytes, *, source: str = "") -> SegmentDesc:
             f"this process speaks {PROTOCOL_VERSION}",
             source=source,
         )
+    for region in desc.regions:
+        try:
+            _location_kind(region.location)
+        except ValueError as exc:
+            raise MetadataError(f"segment {desc.name!r}: {exc}", source=source) from None
     return desc
 
 

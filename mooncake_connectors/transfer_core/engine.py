@@ -16,9 +16,11 @@ TransferTimeout and its lane is torn down so no late bytes land in memory the ca
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -42,7 +44,7 @@ from ..types import Access, TransferOp, TransferStatus
 from . import metrics
 from .descriptor import RegionDesc, SegmentDesc, host_id
 from .health import PathHealth
-from .memory import LocalSegment, Region, SharedBuffer, buffer_region
+from .memory import LocalSegment, Region, SharedBuffer, buffer_region, check_mapped, mappings
 from .metadata import MetadataBackend, open_metadata, scheme_of
 from .transport import TRANSPORTS, Slice, Transport, TransportContext
 
@@ -61,6 +63,35 @@ class TransferRequest(NamedTuple):
     local_addr: int
     remote_addr: int
     length: int
+
+
+def _with_ops(requests: Sequence[TransferRequest]) -> Sequence[TransferRequest]:
+    """``requests`` with every op a TransferOp (a plain 0/1 becomes READ/WRITE: the data path
+    compares ops by identity); an op that names no operation stays, for ``_plan`` to refuse."""
+    if all(type(r.op) is TransferOp for r in requests):
+        return requests
+    out = list(requests)
+    for i, r in enumerate(out):
+        if type(r.op) is not TransferOp:
+            with contextlib.suppress(ValueError, TypeError):
+                out[i] = r._replace(op=TransferOp(r.op))
+    return out
+
+
+def _check_request(req: TransferRequest) -> None:
+    """Refuse (ConfigError) a request whose fields are not of the types the data path uses."""
+    if not isinstance(req.target, str):
+        raise ConfigError(f"target must be a segment name, got {type(req.target).__name__}")
+    try:
+        req.target.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"segment name {req.target!r} is not valid UTF-8: {exc.reason}") from None
+    for name in ("local_addr", "remote_addr", "length"):
+        value = getattr(req, name)
+        try:
+            operator.index(value)
+        except TypeError:
+            raise ConfigError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
 class Batch:
@@ -85,7 +116,9 @@ class Batch:
             return
         self._status[i] = status
         self._errors[i] = err
-        metrics.finished(self.requests[i].op.name, status.name, time.perf_counter() - self._t0)
+        op = self.requests[i].op
+        name = op.name if isinstance(op, TransferOp) else "INVALID"  # a request refused as such
+        metrics.finished(name, status.name, time.perf_counter() - self._t0)
         self._pending -= 1
         if self._pending == 0 and self._event is not None:
             self._event.set()
@@ -240,7 +273,7 @@ class TransferEngine:
             self.close()
             raise
         if cfg.metrics_port is not None:
-            metrics.serve(cfg.host, cfg.metrics_port)
+            metrics.serve(cfg.host, cfg.metrics_port, cfg.auth_token)
         threading.Thread(target=self._watchdog, name="mc-engine-watchdog", daemon=True).start()
         log.info(
             "segment %s up: transports %s, metadata %s",
@@ -316,6 +349,13 @@ class TransferEngine:
             buf.close()
         self._owned_buffers.clear()
 
+    def abandon(self) -> None:
+        """For a finalizer at interpreter exit: mark the engine closed and wait for nothing
+        (its threads may be frozen). Sockets and memory go with the process; the segment stays
+        published, as that of any process that exited."""
+        self._closed = True
+        self._stop.set()
+
     def __enter__(self) -> TransferEngine:
         return self.start()
 
@@ -355,14 +395,21 @@ class TransferEngine:
         location: str = "cpu:0",
         access: Access = Access.READ_WRITE,
         owner: Any = None,
+        check: bool = True,
     ) -> list[Region]:
-        """Register several raw ranges with one descriptor update."""
+        """Register several raw ranges with one descriptor update. Host memory is checked to be
+        mapped (and writable for WRITE access): a bad address is an AccessViolation here, not a
+        crash later; ``check=False`` skips that for memory the caller knows is its own."""
         out = []
+        maps = mappings() if check and location.startswith("cpu") else None
         try:
-            for addr, length in ranges:
-                out.append(
-                    self.local.add(Region(int(addr), int(length), location, access, owner=owner))
-                )
+            spans = [(int(addr), int(length)) for addr, length in ranges]
+            for addr, length in spans if maps is not None else ():
+                # every range before any is registered: a refusal leaves none behind
+                if addr >= 0 and length > 0:
+                    check_mapped(addr, length, write=bool(access & Access.WRITE), maps=maps)
+            for addr, length in spans:
+                out.append(self.local.add(Region(addr, length, location, access, owner=owner)))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         finally:
@@ -393,16 +440,46 @@ class TransferEngine:
         buf.close()
 
     # -- peers ------------------------------------------------------------------------------
-    def peer(self, name: str) -> SegmentDesc:
-        """The (cached) descriptor of segment ``name``."""
-        return self._view(name).desc
+    def peer(self, name: str, timeout: float | None = None) -> SegmentDesc:
+        """The (cached) descriptor of segment ``name``; a lookup takes at most ``timeout``
+        (TransferTimeout), else the metadata backend's own timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._view(name, deadline).desc
 
-    def _view(self, name: str) -> _PeerView:
+    def _view(self, name: str, deadline: float | None = None) -> _PeerView:
         pv = self._peers.get(name)
         if pv is None:
-            self.refresh_peer(name)
+            self._refresh_by(name, deadline)
             pv = self._peers[name]
         return pv
+
+    def _refresh_by(self, name: str, deadline: float | None) -> None:
+        """``refresh_peer`` within ``deadline``. Backends bound a lookup by connect_timeout
+        only; when less time is left, the lookup runs in a helper thread (it finishes within
+        its own timeout and fills the cache) and the caller stops waiting at its deadline."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is None or left >= self.config.connect_timeout:
+            self.refresh_peer(name)
+            return
+        done: list[BaseException | None] = []
+
+        def lookup() -> None:
+            try:
+                self.refresh_peer(name)
+                done.append(None)
+            except BaseException as exc:  # handed to the waiting caller
+                done.append(exc)
+
+        t = threading.Thread(target=lookup, name="mc-engine-lookup", daemon=True)
+        t.start()
+        t.join(max(0.0, left))
+        if not done:
+            raise TransferTimeout(
+                "looking up the segment's descriptor outlasted the request's deadline",
+                peer=name,
+            )
+        if done[0] is not None:
+            raise done[0]
 
     def refresh_peer(self, name: str) -> SegmentDesc:
         """Fetch ``name``'s descriptor again (after it registered or unregistered memory)."""
@@ -425,12 +502,12 @@ class TransferEngine:
         if not self._started or self._closed:
             raise TransportClosed("engine is not running")
         deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
-        batch = Batch(requests, deadline)
+        batch = Batch(_with_ops(requests), deadline)
         groups: dict[tuple[int, str], tuple[Transport, SegmentDesc, list[_Slice]]] = {}
         slice_size = self.config.slice_size
         for i, req in enumerate(batch.requests):
             try:
-                peer, region, transport, lanes, local = self._plan(req)
+                peer, region, transport, lanes, local = self._plan(req, deadline)
             except MooncakeConnectorsError as exc:
                 batch._fail(i, exc)
                 continue
@@ -466,16 +543,19 @@ class TransferEngine:
         return batch
 
     def _plan(
-        self, req: TransferRequest
+        self, req: TransferRequest, deadline: float | None = None
     ) -> tuple[SegmentDesc, RegionDesc, Transport, list[int], Region | None]:
         # The data path: plain int arithmetic here, no enum operations (they cost microseconds).
         op = req.op
         if op is not TransferOp.READ and op is not TransferOp.WRITE:
-            try:
-                op = TransferOp(op)
-            except ValueError:
-                raise ConfigError(f"unknown transfer op {op!r}") from None
+            raise ConfigError(f"unknown transfer op {op!r}: expected a TransferOp")
         length = req.length
+        if type(length) is not int or type(req.local_addr) is not int:
+            _check_request(req)
+        if type(req.remote_addr) is not int or type(req.target) is not str:
+            _check_request(req)
+        if not req.target.isascii():
+            _check_request(req)
         if length < 0 or req.local_addr < 0 or req.remote_addr < 0:
             raise ConfigError(f"negative address or length in {req}")
         local = None
@@ -492,7 +572,7 @@ class TransferEngine:
                     "READ destination is read-only local memory", peer=req.target, path="local"
                 )
         try:
-            pv = self._view(req.target)
+            pv = self._view(req.target, deadline)
         except SegmentNotFound:
             raise
         except MetadataError as exc:
@@ -503,7 +583,7 @@ class TransferEngine:
         span = length or 1
         region = pv.find(req.remote_addr, span)
         if region is None or not need & region.access:
-            self.refresh_peer(req.target)  # it may have registered since we looked
+            self._refresh_by(req.target, deadline)  # it may have registered since we looked
             pv = self._peers[req.target]
             region = pv.find(req.remote_addr, span)
             if region is None:

@@ -22,6 +22,71 @@ def view(addr: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 
 
+def mappings() -> list[tuple[int, int, bytes]] | None:
+    """This process's memory map as (start, end, permissions), in address order; None where
+    the kernel does not publish one (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        span, perms = line.split(b" ", 2)[:2]
+        lo, _, hi = span.partition(b"-")
+        out.append((int(lo, 16), int(hi, 16), perms))
+    return out
+
+
+def check_mapped(
+    addr: int, length: int, *, write: bool = False, maps: list[tuple[int, int, bytes]] | None = None
+) -> None:
+    """Raise AccessViolation unless ``[addr, addr+length)`` is mapped readable (and writable,
+    with ``write``) in this process, so that a bad raw address is an error, not a crash.
+
+    The kernel's map (``maps``, else read now) answers without touching the memory; where there
+    is none (not Linux) the range is taken on trust. A range unmapped after this check can still
+    fault: the check is for mistakes, not for a racing munmap.
+    """
+    if length <= 0:
+        return
+    if maps is None:
+        maps = mappings()
+        if maps is None:
+            return
+    end = addr + length
+    pos = addr
+    for start, stop, perms in maps:
+        if stop <= pos:
+            continue
+        if start > pos:
+            break
+        if perms[:1] != b"r" or (write and perms[1:2] != b"w"):
+            need = "writable" if write else "readable"
+            raise AccessViolation(f"{addr:#x}+{length} is not {need} memory of this process")
+        pos = stop
+        if pos >= end:
+            return
+    raise AccessViolation(f"{addr:#x}+{length} is not mapped in this process")
+
+
+def unmapped(ranges: list[tuple[int, int]], *, write: bool = False) -> dict[int, AccessViolation]:
+    """``check_mapped`` for several ranges, reading the map once: index -> error of each range
+    that is not this process's memory (empty where there is no map to read)."""
+    if not ranges:
+        return {}
+    maps = mappings()
+    if maps is None:
+        return {}
+    bad: dict[int, AccessViolation] = {}
+    for i, (addr, length) in enumerate(ranges):
+        try:
+            check_mapped(addr, length, write=write, maps=maps)
+        except AccessViolation as exc:
+            bad[i] = exc
+    return bad
+
+
 class SharedBuffer:
     """Memory backed by a memfd, so a peer on the same host can map it and copy at memcpy speed.
 

@@ -7,10 +7,14 @@ costs microseconds per call.
 from __future__ import annotations
 
 import functools
+import http.server
+import socket
 import threading
 from typing import Any
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+
+from ..config import bearer_ok, info_needs_token
 
 BYTES = Counter(
     "mooncake_connectors_transfer_bytes", "Bytes moved by completed slices", ["transport", "op"]
@@ -60,9 +64,33 @@ _served: set[tuple[str, int]] = set()
 _lock = threading.Lock()
 
 
-def serve(host: str, port: int) -> None:
-    """Serve /metrics on host:port once per process (idempotent)."""
+def serve(host: str, port: int, token: str | None = None) -> None:
+    """Serve /metrics on host:port once per process (idempotent: the first caller's token
+    holds). Off the default loopback binds a set token is required as a bearer token."""
     with _lock:
-        if (host, port) not in _served:
-            start_http_server(port, addr=host)
-            _served.add((host, port))
+        if (host, port) in _served:
+            return
+        guarded = info_needs_token(host, token)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if guarded and not bearer_ok(self.headers.get("Authorization"), token or ""):
+                    self.send_error(401, "missing or wrong token")
+                    return
+                body = generate_latest(REGISTRY)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        srv = Server((host, port), Handler)
+        threading.Thread(target=srv.serve_forever, name="mc-metrics-http", daemon=True).start()
+        _served.add((host, port))

@@ -9,20 +9,17 @@ import pytest
 import torch
 
 from mooncake_connectors.adapters.moe import (
-    ExpertRouter,
-    Placement,
     alive_from_active_ranks,
     apply_to_vllm_state,
     from_sglang,
     from_vllm,
     placement_from_sglang_metadata,
     placement_from_vllm_state,
-    plan_elastic,
-    plan_placement,
     to_sglang,
     to_vllm,
 )
 from mooncake_connectors.errors import ConfigError
+from mooncake_connectors.moe import ExpertRouter, Placement, plan_elastic, plan_placement
 
 # vLLM's EplbModelState docstring example (2 layers, 6 physical, 4 logical, 3 EP ranks).
 VLLM_P2L = torch.tensor([[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]])

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from mooncake_connectors.adapters.moe import (
+from mooncake_connectors.errors import ConfigError
+from mooncake_connectors.moe import (
     ExpertRouter,
     HealthMonitor,
     HeartbeatPublisher,
@@ -16,7 +17,6 @@ from mooncake_connectors.adapters.moe import (
     Placement,
     heartbeat_key,
 )
-from mooncake_connectors.errors import ConfigError
 
 # ``store`` (a dict-backed MetadataStore) and ``clock`` (advanced by hand) come from conftest.
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncake_connectors.adapters.moe import Placement
 from mooncake_connectors.errors import ConfigError
+from mooncake_connectors.moe import Placement
 
 # vLLM's EplbModelState docstring example: 2 layers, 6 physical and 4 logical experts, 3 ranks.
 VLLM_P2L = torch.tensor([[0, 1, 2, 3, 0, 1], [0, 2, 0, 1, 0, 3]])

@@ -9,18 +9,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake_connectors.adapters.moe import (
-    Placement,
-    pack_balanced,
-    plan_placement,
-    replicate_experts,
-)
-from mooncake_connectors.adapters.moe.workload import (
+from mooncake_connectors.bench.moe_workload import (
     expert_load,
     no_replication,
     zipf_gate_scores,
 )
 from mooncake_connectors.errors import ConfigError
+from mooncake_connectors.moe import (
+    Placement,
+    pack_balanced,
+    plan_placement,
+    replicate_experts,
+)
 
 
 def zipf_load(exponent: float, seed: int, n: int = 256) -> torch.Tensor:

@@ -9,14 +9,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake_connectors.adapters.moe import (
+from mooncake_connectors.bench.moe_workload import expert_load, zipf_gate_scores
+from mooncake_connectors.errors import ConfigError
+from mooncake_connectors.moe import (
     ExpertRouter,
     Placement,
     RoutingMode,
     plan_placement,
 )
-from mooncake_connectors.adapters.moe.workload import expert_load, zipf_gate_scores
-from mooncake_connectors.errors import ConfigError
 
 
 class TinyMoE:

@@ -8,8 +8,8 @@ In LMCache's config (see docs/lmcache.md)::
       remote_storage_plugin.mooncake_connectors.class_name: StoreConnector
       remote_storage_plugin.mooncake_connectors.master: "127.0.0.1:50051"
 
-``StoreConnector`` is imported lazily (it imports lmcache); :mod:`.config` and :mod:`.guard` do
-not need lmcache.
+``StoreConnector`` is imported lazily (it imports lmcache); :mod:`.config` does not need
+lmcache.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ LMCache builds a plugin connector as ``cls(loop=, local_cpu_backend=, config=)``
 it its plugin name, so the connector finds its own entries: the one name in
 ``remote_storage_plugins`` whose ``remote_storage_plugin.<name>.module_path`` and ``.class_name``
 point at it (:func:`find_plugin_name`). Its settings are the other keys under the same prefix
-(:data:`KEYS`); an unknown key there is an error, so a typo does not pass silently.
+(:data:`KEYS`), read by the shared :class:`~mooncake_connectors.extra_config.Schema`: an unknown
+key there is an error, so a typo does not pass silently.
 
 Environment variables are read here and nowhere else in this adapter, and only for keys the
 config leaves out: the master address from ``MOONCAKE_CONNECTORS_MASTER`` or Mooncake's
@@ -22,13 +23,8 @@ from typing import Any
 
 from ...config import KIB, MIB
 from ...errors import ConfigError
-from ...store.config import (
-    DEFAULT_MASTER_PORT,
-    MAX_REPLICAS,
-    ClientConfig,
-    check_master_address,
-    parse_size,
-)
+from ...extra_config import Key, Kind, Schema, client_config
+from ...store.config import DEFAULT_MASTER_PORT, MAX_REPLICAS, ClientConfig, check_master_address
 
 PREFIX = "remote_storage_plugin."
 # LMCache's own keys under our prefix (it reads them to load the class).
@@ -88,6 +84,7 @@ class PluginConfig:
     global_segment_size: int = 0
     key_prefix: str = "lmcache/"
     list_limit: int = 100_000
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -116,49 +113,15 @@ class PluginConfig:
 
     def client_config(self) -> ClientConfig:
         """The store client's settings: every wait inside one call fits in ``timeout``."""
-        return ClientConfig(
+        return client_config(
             master=self.master,
             host=self.host,
             transports=self.transports,
             global_segment_size=self.global_segment_size,
             local_buffer_size=self.local_buffer_size,
             timeout=self.timeout,
-            rpc_timeout=min(self.timeout, 5.0),
-            replica_timeout=min(1.0, self.timeout / 2),
+            auth_token=self.auth_token,
         )
-
-
-def _as_bool(key: str, raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{key} must be true or false, got {raw!r}")
-
-
-def _as_number(key: str, raw: Any, kind: type) -> Any:
-    if isinstance(raw, bool):
-        raise ConfigError(f"{key} must be a number, got {raw!r}")
-    try:
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key} must be a number, got {raw!r}") from None
-
-
-def _as_size(key: str, raw: Any) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise ConfigError(f"{key} must be a size such as 4096 or 64M, got {raw!r}")
-    return parse_size(raw)
-
-
-def _as_names(key: str, raw: Any) -> tuple[str, ...]:
-    items = raw.split(",") if isinstance(raw, str) else raw
-    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
-        raise ConfigError(f'{key} must be names such as "shm,tcp", got {raw!r}')
-    return tuple(i.strip() for i in items if i.strip())
 
 
 def _as_layout(key: str, raw: Any) -> Layout:
@@ -169,23 +132,25 @@ def _as_layout(key: str, raw: Any) -> Layout:
         raise ConfigError(f"{key} must be one of {choices}, got {raw!r}") from None
 
 
-_PARSERS: dict[str, Any] = {
-    "master": lambda k, v: str(v).strip(),
-    "host": lambda k, v: str(v).strip(),
-    "transports": _as_names,
-    "timeout": lambda k, v: _as_number(k, v, float),
-    "cooldown": lambda k, v: _as_number(k, v, float),
-    "workers": lambda k, v: _as_number(k, v, int),
-    "replicas": lambda k, v: _as_number(k, v, int),
-    "layout": _as_layout,
-    "register_buffer": _as_bool,
-    "local_buffer_size": _as_size,
-    "global_segment_size": _as_size,
-    "key_prefix": lambda k, v: str(v),
-    "list_limit": lambda k, v: _as_number(k, v, int),
+# Our keys, as written after ``remote_storage_plugin.<name>.`` (docs/lmcache.md repeats them).
+KEYS: dict[str, Key] = {
+    "master": Key(Kind.TEXT, "the store's master, HOST:PORT or etcd://HOST:PORT[,...]/PREFIX"),
+    "host": Key(Kind.TEXT, "the address this process's transfer engine binds and advertises"),
+    "transports": Key(Kind.NAMES, "transports in preference order (default shm,tcp)"),
+    "timeout": Key(Kind.FLOAT, "deadline of one store call in seconds (default 2)"),
+    "cooldown": Key(
+        Kind.FLOAT, "seconds calls answer misses after a store-level failure (default 1)"
+    ),
+    "workers": Key(Kind.INT, "threads that run store calls (default 4)"),
+    "replicas": Key(Kind.INT, "copies of each chunk (default 1)"),
+    "layout": Key(None, "auto, raw or framed (default auto)", convert=_as_layout),
+    "register_buffer": Key(Kind.BOOL, "register LMCache's CPU buffer for zero-copy"),
+    "local_buffer_size": Key(Kind.SIZE, "the client's registered staging memory (default 32M)"),
+    "global_segment_size": Key(Kind.SIZE, "memory contributed to the store (default 0)"),
+    "key_prefix": Key(Kind.TEXT, "namespace of this plugin's keys (default lmcache/)", empty=True),
+    "list_limit": Key(Kind.INT, "how many written keys list() remembers (default 100000)"),
+    "auth_token": Key(Kind.TEXT, "the store's shared secret (default: none)"),
 }
-# Our keys, as written after ``remote_storage_plugin.<name>.``.
-KEYS = frozenset(_PARSERS)
 
 
 def find_plugin_name(
@@ -222,29 +187,21 @@ def from_extra_config(
     name: str, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> PluginConfig:
     """Settings of plugin ``name`` from LMCache's extra_config, then the environment."""
-    extra = extra or {}
-    env = os.environ if env is None else env
     head = f"{PREFIX}{name}."
-    values: dict[str, Any] = {}
-    for full, raw in extra.items():
-        if not full.startswith(head):
-            continue
-        key = full[len(head) :]
-        if key in LOADER_KEYS:
-            continue
-        parse = _PARSERS.get(key)
-        if parse is None:
-            known = ", ".join(sorted(KEYS | LOADER_KEYS))
-            raise ConfigError(f"unknown setting {full!r}; known: {known}")
-        if raw is None:
-            continue
-        values[key] = parse(full, raw)
+    ours = {
+        full[len(head) :]: raw
+        for full, raw in (extra or {}).items()
+        if full.startswith(head)  # other plugins' keys and LMCache's own are not ours
+    }
+    schema = Schema(
+        f"LMCache plugin {name!r}",
+        KEYS,
+        label=lambda key: head + key,
+        foreign=LOADER_KEYS,
+        lenient=True,  # LMCache passes YAML values and environment text alike
+    )
+    values = schema.parse(ours)
+    env = os.environ if env is None else env
     for key, names in _ENV.items():
-        if key in values:
-            continue
-        for var in names:
-            raw = env.get(var, "").strip()
-            if raw:
-                values[key] = raw
-                break
+        schema.from_env(values, env, key, *names)
     return PluginConfig(**values)

@@ -2,10 +2,11 @@
 
 LMCache builds it as ``StoreConnector(loop=, local_cpu_backend=, config=)`` (see docs/lmcache.md
 for the config). It converts at the boundary — LMCache keys to store keys, MemoryObjs to
-addresses or framed values (:mod:`.chunks`) — and delegates to one :class:`StoreGuard`, which
-runs every store call on its own threads with a deadline. What LMCache sees of a store failure
-is a miss: ``None`` from a get, ``False`` or a shorter prefix from a contains, a put that did
-not happen; never an exception, and never a wait past the deadline on its event loop.
+addresses or framed values (:mod:`.chunks`) — and delegates to one :class:`GuardedStore`,
+which connects in the background and runs every store call on its own threads with a deadline.
+What LMCache sees of a store failure is a miss: ``None`` from a get, ``False`` or a shorter
+prefix from a contains, a put that did not happen; never an exception, and never a wait past the
+deadline on its event loop.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from ...errors import ConfigError, MooncakeConnectorsError
 from ...store.client import StoreClient
+from ...store.guarded import FAILED, Failed, GuardedStore
 from .chunks import ChunkCodec, release
 from .config import Layout, PluginConfig, find_plugin_name, from_extra_config
-from .guard import FAILED, Failed, StoreGuard
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,12 @@ class StoreConnector(RemoteConnector):  # type: ignore[misc]
         self.prefix = f"{self.settings.key_prefix}{self.layout.value}/"
         # (address, bytes) of LMCache's CPU buffer once registered with the client.
         self.registered: tuple[int, int] | None = None
-        self.guard = StoreGuard(
-            self._connect,
-            timeout=self.settings.timeout,
+        self.guard = GuardedStore(
+            self.settings.client_config(),
             cooldown=self.settings.cooldown,
-            workers=self.settings.workers,
             name=f"lmcache-{name}",
+            on_connect=self._register_buffer,
+            workers=self.settings.workers,
         )
         self.codec = ChunkCodec(
             local_cpu_backend,
@@ -90,7 +91,6 @@ class StoreConnector(RemoteConnector):  # type: ignore[misc]
         )
         self._written: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._written_lock = threading.Lock()
-        self.guard.connect_soon()
         log.info(
             "LMCache plugin %r: store %s, layout %s, key prefix %r",
             name,
@@ -112,19 +112,18 @@ class StoreConnector(RemoteConnector):  # type: ignore[misc]
             )
         return layout
 
-    def _connect(self) -> StoreClient:
-        client = StoreClient(self.settings.client_config()).start()
-        if self.settings.register_buffer and self.registered is None:
-            buf = cpu_buffer(self.local_cpu_backend)
-            if buf is None:
-                log.info("LMCache's CPU buffer is not reachable: chunks are copied via staging")
-            else:
-                try:
-                    client.register_buffer(buf[0], buf[1])
-                    self.registered = buf
-                except MooncakeConnectorsError as exc:
-                    log.warning("registering LMCache's CPU buffer failed (copies instead): %s", exc)
-        return client
+    def _register_buffer(self, client: StoreClient) -> None:
+        if not self.settings.register_buffer or self.registered is not None:
+            return
+        buf = cpu_buffer(self.local_cpu_backend)
+        if buf is None:
+            log.info("LMCache's CPU buffer is not reachable: chunks are copied via staging")
+            return
+        try:
+            client.register_buffer(buf[0], buf[1])
+            self.registered = buf
+        except MooncakeConnectorsError as exc:
+            log.warning("registering LMCache's CPU buffer failed (copies instead): %s", exc)
 
     # -- helpers ----------------------------------------------------------------------------
     def store_key(self, key: Any) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from .placement import EMPTY_SLOT, Placement, as_alive
+from ...moe.placement import EMPTY_SLOT, Placement, as_alive
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

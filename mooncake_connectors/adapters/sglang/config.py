@@ -15,16 +15,14 @@ lists them all.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from ...config import MIB
 from ...errors import ConfigError
-from ...store.config import MAX_REPLICAS, check_master_address, parse_size
-
-log = logging.getLogger(__name__)
+from ...extra_config import Key, Kind, Schema, client_config
+from ...store.config import MAX_REPLICAS, ClientConfig, check_master_address
 
 # Keys SGLang itself puts into extra-config (or pops before we see it); not ours to check.
 SGLANG_KEYS = frozenset(
@@ -83,8 +81,8 @@ class HiCacheStoreConfig:
         and scattered (their layers are not adjacent); batches larger than this go in parts.
     timeout: deadline in seconds of every store call this backend makes (also of connecting).
     rpc_timeout: deadline of one control message within a call (capped at ``timeout``).
-    retry_interval: after the store was found unreachable, calls answer misses at once for this
-        many seconds before the store is tried again.
+    cooldown: after the store was found unreachable, calls answer misses at once for this many
+        seconds before the store is tried again (``retry_interval``: its deprecated old name).
     replicas: copies of every object.
     namespace / tenant / tag: leading parts of every key; two deployments sharing one store keep
         apart by any of them. model: the model part of keys (default: SGLang's model name).
@@ -103,7 +101,7 @@ class HiCacheStoreConfig:
     staging_size: int = 64 * MIB
     timeout: float = 5.0
     rpc_timeout: float = 1.0
-    retry_interval: float = 5.0
+    cooldown: float = 5.0
     replicas: int = 1
     namespace: str = "sglang"
     tenant: str = "default"
@@ -111,6 +109,7 @@ class HiCacheStoreConfig:
     model: str | None = None
     allow_clear: bool = True
     log_interval: float = 30.0
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -126,7 +125,7 @@ class HiCacheStoreConfig:
             raise ConfigError("local_buffer_size must be at least 64K")
         if self.staging_size < 64 * 1024:
             raise ConfigError("staging_size must be at least 64K")
-        for name in ("timeout", "rpc_timeout", "retry_interval", "log_interval"):
+        for name in ("timeout", "rpc_timeout", "cooldown", "log_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 1 <= self.replicas <= MAX_REPLICAS:
@@ -140,40 +139,54 @@ class HiCacheStoreConfig:
         if self.model is not None and not self.model.strip():
             raise ConfigError("model must not be empty (leave it out to use SGLang's)")
 
+    def client_config(self, ranks_per_server: int = 1) -> ClientConfig:
+        """One rank's store client: its share of ``global_segment_size``, our deadlines."""
+        return client_config(
+            master=self.master,
+            host=self.host,
+            metadata=self.metadata,
+            transports=self.transports,
+            global_segment_size=self.global_segment_size // max(1, ranks_per_server),
+            local_buffer_size=self.local_buffer_size,
+            timeout=self.timeout,
+            rpc_timeout=self.rpc_timeout,
+            auth_token=self.auth_token,
+        )
 
-_FIELDS = {f.name: f for f in dataclasses.fields(HiCacheStoreConfig)}
-_SIZES = {"global_segment_size", "local_buffer_size", "staging_size"}
-_FLOATS = {"timeout", "rpc_timeout", "retry_interval", "log_interval"}
 
-
-def _convert(name: str, value: Any, source: str) -> Any:
-    """One value as field ``name``'s type, or a ConfigError naming where it came from."""
-    bad = ConfigError(f"{source}: bad value {value!r}")
-    if name in _SIZES:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise bad
-        return parse_size(value)
-    if name in _FLOATS:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if name == "replicas":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if name == "allow_clear":
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if name == "transports":
-        if isinstance(value, str):
-            return tuple(t.strip() for t in value.split(",") if t.strip())
-        if isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value):
-            return tuple(value)
-        raise bad
-    if not isinstance(value, str):
-        raise bad
-    return value
+_TEXT = Key(Kind.TEXT, "")
+_FLOAT = Key(Kind.FLOAT, "")
+_SIZE = Key(Kind.SIZE, "")
+# Our keys; HiCacheStoreConfig's docstring (and docs/sglang.md) describes each.
+KEYS: dict[str, Key] = {
+    "master": _TEXT,
+    "host": _TEXT,
+    "metadata": Key(Kind.TEXT, "", empty=True),
+    "transports": Key(Kind.NAMES, ""),
+    "global_segment_size": _SIZE,
+    "local_buffer_size": _SIZE,
+    "staging_size": _SIZE,
+    "timeout": _FLOAT,
+    "rpc_timeout": _FLOAT,
+    "cooldown": _FLOAT,
+    "replicas": Key(Kind.INT, ""),
+    "namespace": Key(Kind.TEXT, "", empty=True),
+    "tenant": Key(Kind.TEXT, "", empty=True),
+    "tag": Key(Kind.TEXT, "", empty=True),
+    "model": Key(Kind.TEXT, "", empty=True),
+    "allow_clear": Key(Kind.BOOL, ""),
+    "log_interval": _FLOAT,
+    "auth_token": _TEXT,
+}
+SCHEMA = Schema(
+    "HiCacheStore",
+    KEYS,
+    label=lambda key: f"extra-config {key!r}",
+    aliases=MOONCAKE_ALIASES,
+    deprecated={"retry_interval": "cooldown"},
+    ignored=MOONCAKE_IGNORED,
+    foreign=SGLANG_KEYS,
+)
 
 
 def from_extra_config(
@@ -188,37 +201,11 @@ def from_extra_config(
     ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, ``MOONCAKE_TENANT_ID``.
     """
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    ignored = []
-    for key, value in (extra or {}).items():
-        if key in SGLANG_KEYS:
-            continue
-        if key in MOONCAKE_IGNORED:
-            ignored.append(key)
-            continue
-        name = MOONCAKE_ALIASES.get(key, key)
-        if name not in _FIELDS:
-            valid = sorted({*_FIELDS, *MOONCAKE_ALIASES})
-            raise ConfigError(f"unknown extra-config key {key!r}; valid keys: {', '.join(valid)}")
-        if name in values:
-            raise ConfigError(f"extra-config gives {name!r} twice (as {key!r} and an alias)")
-        values[name] = _convert(name, value, f"extra-config {key!r}")
-    if ignored:
-        log.warning("extra-config keys of SGLang's Mooncake backend ignored here: %s", ignored)
-
-    def from_env(field: str, *names: str, override: bool = False) -> None:
-        if field in values and not override:
-            return
-        for name in names:
-            raw = env.get(name, "").strip()
-            if raw:
-                values[field] = _convert(field, raw, f"environment variable {name}")
-                return
-
-    from_env("master", "MOONCAKE_MASTER")
-    from_env("host", "MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME", override=True)
-    from_env("global_segment_size", "MOONCAKE_GLOBAL_SEGMENT_SIZE")
-    from_env("tenant", "MOONCAKE_TENANT_ID")
+    values = SCHEMA.parse(extra)
+    SCHEMA.from_env(values, env, "master", "MOONCAKE_MASTER")
+    SCHEMA.from_env(values, env, "host", "MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME", override=True)
+    SCHEMA.from_env(values, env, "global_segment_size", "MOONCAKE_GLOBAL_SEGMENT_SIZE")
+    SCHEMA.from_env(values, env, "tenant", "MOONCAKE_TENANT_ID")
     if "master" not in values:
         raise ConfigError(
             "no store master: set extra-config 'master' (HOST:PORT) or MOONCAKE_MASTER"

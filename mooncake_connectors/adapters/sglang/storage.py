@@ -62,7 +62,7 @@ class HiCacheStore(HiCacheStorage):
         self.store = PageStore(
             self.config, ranks_per_server=self.shard.tp_size * self.shard.pp_size
         )
-        self.store.connect()  # bounded by the timeout; if unreachable, retried lazily
+        self.store.settle()  # bounded by the timeout; if unreachable, retried in the background
 
     def _scheme(self, fmt: str) -> KeyScheme:
         return KeyScheme(
@@ -279,8 +279,8 @@ class _Guard:
             return False
         if not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: not ours to swallow
-        self.owner.store.counters.errors += 1
-        self.owner.store.throttle.warn(
+        self.owner.store.counters.bugs += 1
+        self.owner.store.log.warn(
             f"{self.what}-error", "HiCacheStore.%s failed, reported as a miss: %r", self.what, exc
         )
         log.debug("HiCacheStore.%s failure", self.what, exc_info=exc)

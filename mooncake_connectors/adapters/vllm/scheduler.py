@@ -17,22 +17,23 @@ request's blocks are complete after that step's forward, so they write each laye
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
-from .config import PDConfig
-from .metadata import (
-    PDConnectorMetadata,
-    PDHandshake,
+from ...errors import ProtocolError
+from ...pd import params as pdp
+from ...pd.params import PullParams, PushParams
+from ...pd.plan import (
+    PushProgress,
     PushRecvSpec,
-    PushSendStep,
     RecvSpec,
-    RemotePrefill,
-    RemotePush,
-    prompt_hash,
+    handover,
+    loadable_tokens,
+    push_recv_spec,
+    recv_spec,
 )
+from .config import PDConfig
+from .metadata import PDConnectorMetadata, PDHandshake
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,8 +44,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _pull(params: dict[str, Any] | None, request_id: str, warn: bool) -> PullParams | None:
+    """The request's pull params; None when they are not ours (it then simply recomputes).
+    ``warn``: say why, once per request (its params are read more than once)."""
+    try:
+        return pdp.decode(params, PullParams)
+    except ProtocolError as exc:
+        if warn:
+            log.warning("request %s: %s; computing the prompt", request_id, exc)
+        return None
+
+
+def _push(params: dict[str, Any] | None, request_id: str, warn: bool) -> PushParams | None:
+    try:
+        return pdp.decode(params, PushParams)
+    except ProtocolError as exc:
+        if warn:
+            log.warning("request %s: %s; computing the prompt", request_id, exc)
+        return None
+
+
+def _block_ids(blocks: KVCacheBlocks, num_external: int) -> list[int]:
+    if num_external <= 0:
+        return []  # nothing to load into (and the blocks may not be ours to read)
+    (block_ids,) = blocks.get_block_ids()  # one KV cache group (no hybrid allocator)
+    return list(block_ids)
 
 
 class PDScheduler:
@@ -58,9 +82,7 @@ class PDScheduler:
         self._send: dict[str, float] = {}
         self._matched: dict[str, int] = {}  # request id -> loadable tokens (memo)
         self._push_recv: list[PushRecvSpec] = []
-        # prefill side: request id -> its push step state (blocks so far, blocks announced)
-        self._pushing: dict[str, PushSendStep] = {}
-        self._push_out: list[PushSendStep] = []
+        self._pushing = PushProgress(self.block_size)  # prefill side
 
     # -- handshake ---------------------------------------------------------------------------
     def set_handshakes(self, handshakes: dict[int, Any]) -> None:
@@ -76,60 +98,42 @@ class PDScheduler:
         self.side_channels = [channels[r] for r in range(self.tp_size)]
 
     # -- decode side -------------------------------------------------------------------------
-    def _loadable_tokens(self, request: Request, remote: RemotePrefill) -> int:
-        """Prompt tokens whose KV the prefill holds for exactly this prompt (0: none usable)."""
-        known = self._matched.get(request.request_id)
-        if known is not None:
-            return known
-        n = 0
-        prompt = request.prompt_token_ids
-        if (
-            prompt is not None
-            and 0 < remote.num_tokens <= len(prompt)
-            and len(remote.block_ids) >= _cdiv(remote.num_tokens, self.block_size)
-        ):
-            if prompt_hash(prompt[: remote.num_tokens]) == remote.prompt_hash:
-                n = remote.num_tokens
-            else:
-                log.warning(
-                    "request %s: prefill KV is for other prompt tokens; recomputing",
-                    request.request_id,
-                )
-        self._matched[request.request_id] = n
-        return n
-
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not pdp.wants_remote_prefill(params):
             return 0, False
-        if params.get("push_id"):
-            count = self._pushable_tokens(request) - num_computed_tokens
-            return (count, True) if count > 0 else (0, False)
-        remote = RemotePrefill.parse(params)
-        if remote is None:
-            return 0, False
-        count = self._loadable_tokens(request, remote) - num_computed_tokens
+        rid = request.request_id
+        n = self._matched.get(rid)
+        if n is None:
+            n = self._pushable_tokens(request) if pdp.is_push(params) else self._loadable(request)
+            self._matched[rid] = n
+        count = n - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _loadable(self, request: Request) -> int:
+        remote = _pull(request.kv_transfer_params, request.request_id, warn=False)
+        if remote is None:
+            return 0
+        return loadable_tokens(
+            request.request_id, request.prompt_token_ids, remote, self.block_size
+        )
 
     def _pushable_tokens(self, request: Request) -> int:
         """Prompt tokens a push will deliver (0: this request computes its prompt itself)."""
-        known = self._matched.get(request.request_id)
-        if known is not None:
-            return known
-        n = 0
-        remote = RemotePush.parse(request.kv_transfer_params)
+        remote = _push(request.kv_transfer_params, request.request_id, warn=True)
         prompt = request.prompt_token_ids
         if remote is None:
-            log.warning("request %s: push parameters not understood", request.request_id)
-        elif not self.config.accept_push:
+            return 0
+        if not self.config.accept_push:
             log.warning(
                 "request %s asks for a layer-wise push but this instance does not accept pushes "
                 "(kv_connector_extra_config accept_push); computing the prompt",
                 request.request_id,
             )
-        elif remote.tp_size != self.tp_size:
+            return 0
+        if remote.tp_size != self.tp_size:
             log.warning(
                 "request %s: push needs equal TP sizes (prefill %d, decode %d); computing the "
                 "prompt",
@@ -137,122 +141,91 @@ class PDScheduler:
                 remote.tp_size,
                 self.tp_size,
             )
-        elif prompt:
-            n = len(prompt)
-        self._matched[request.request_id] = n
-        return n
+            return 0
+        return len(prompt) if prompt else 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if not params:
+        rid = request.request_id
+        if params is None:
             return
-        if params.get("do_remote_decode") and params.get("push_id"):
+        if pdp.wants_remote_decode(params) and pdp.is_push(params):
             self._start_push(request)
             return
-        if not params.get("do_remote_prefill"):
+        if not pdp.wants_remote_prefill(params):
             return
-        params["do_remote_prefill"] = False  # one transfer per request, even if rescheduled
-        if params.get("push_id"):
-            self._push_target(request, blocks, num_external_tokens)
+        pdp.release(params)  # one transfer per request, even if rescheduled
+        n = self._matched.pop(rid, 0)
+        if pdp.is_push(params):
+            pushed = _push(params, rid, warn=False)
+            if pushed is not None:
+                self._push_recv.append(
+                    push_recv_spec(
+                        rid,
+                        pushed,
+                        request.prompt_token_ids,
+                        n,
+                        num_external_tokens,
+                        _block_ids(blocks, num_external_tokens),
+                        self.block_size,
+                    )
+                )
             return
-        remote = RemotePrefill.parse(params)
-        if remote is None:
-            log.warning(
-                "request %s: kv_transfer_params not understood: %s", request.request_id, params
+        remote = _pull(params, rid, warn=True)
+        if remote is not None:
+            block_ids = _block_ids(blocks, num_external_tokens)
+            self._recv.append(
+                recv_spec(rid, remote, n, num_external_tokens, block_ids, self.block_size)
             )
-            return
-        n = self._matched.pop(request.request_id, 0)
-        if num_external_tokens <= 0 or n <= 0:
-            # A full local prefix hit, or unusable remote KV: only let the prefill free its blocks.
-            self._recv.append(RecvSpec(request.request_id, [], [], remote))
-            return
-        local_hit = n - num_external_tokens
-        end = _cdiv(n, self.block_size)
-        (block_ids,) = blocks.get_block_ids()  # one KV cache group (no hybrid allocator)
-        spec = RecvSpec(request.request_id, [], [], remote)
-        if local_hit < 0 or local_hit % self.block_size or len(block_ids) < end:
-            # Never expected from vLLM's scheduler; fail safe by recomputing the whole load.
-            spec.local_block_ids = list(block_ids[:end])
-            spec.error = f"unexpected allocation (local hit {local_hit}, {len(block_ids)} blocks)"
-        else:
-            start = local_hit // self.block_size
-            spec.local_block_ids = list(block_ids[start:end])
-            spec.remote_block_ids = list(remote.block_ids[start:end])
-        self._recv.append(spec)
-
-    def _push_target(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
-        remote = RemotePush.parse(request.kv_transfer_params)
-        n = self._matched.pop(request.request_id, 0)
-        if remote is None:
-            return
-        spec = PushRecvSpec(request.request_id, [], 0, n, "", remote)
-        prompt = request.prompt_token_ids
-        if num_external > 0 and n > 0 and prompt is not None:
-            local_hit = n - num_external
-            end = _cdiv(n, self.block_size)
-            (block_ids,) = blocks.get_block_ids()
-            spec.prompt_hash = prompt_hash(prompt[:n])
-            if local_hit < 0 or local_hit % self.block_size or len(block_ids) < end:
-                spec.local_block_ids = list(block_ids[:end])
-                spec.error = f"unexpected allocation (local hit {local_hit}, {len(block_ids)})"
-            else:
-                spec.first_block = local_hit // self.block_size
-                spec.local_block_ids = list(block_ids[spec.first_block : end])
-        self._push_recv.append(spec)  # empty blocks: the prefill need not push, only free
 
     # -- prefill side of a push --------------------------------------------------------------
     def _start_push(self, request: Request) -> None:
         # Its blocks come from each step's scheduler output (under vLLM's MultiConnector this
         # connector may be handed no blocks here).
         prompt = request.prompt_token_ids
-        push_id = str((request.kv_transfer_params or {}).get("push_id", ""))
-        if prompt is None or not push_id or len(push_id) > 128:
+        try:
+            leg = pdp.decode(request.kv_transfer_params, pdp.PrefillLeg)
+        except ProtocolError as exc:
+            log.warning("request %s: %s", request.request_id, exc)
             return
-        self._pushing[request.request_id] = PushSendStep(
-            request.request_id, push_id, [], 0, len(prompt), prompt_hash(prompt)
-        )
+        if prompt is not None and leg.push_id is not None:
+            self._pushing.start(request.request_id, leg.push_id, prompt)
 
     def _push_steps(self, out: SchedulerOutput) -> None:
-        """Which blocks of each pushing request are complete after this step's forward."""
+        """Tell the progress of each pushing request scheduled in this step."""
         if not self._pushing:
             return
-        progress: dict[str, tuple[list[int] | None, int, bool]] = {}
         for new in out.scheduled_new_reqs:
             if new.req_id in self._pushing:
-                progress[new.req_id] = (list(new.block_ids[0]), new.num_computed_tokens, True)
+                scheduled = out.num_scheduled_tokens.get(new.req_id, 0)
+                self._pushing.advance(
+                    new.req_id, list(new.block_ids[0]), True, new.num_computed_tokens, scheduled
+                )
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             if rid in self._pushing:
                 added = cached.new_block_ids[i]
-                progress[rid] = (
+                self._pushing.advance(
+                    rid,
                     None if added is None else list(added[0]),
-                    cached.num_computed_tokens[i],
                     rid in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i],
+                    out.num_scheduled_tokens.get(rid, 0),
                 )
-        for rid, (block_ids, computed, replace) in progress.items():
-            st = self._pushing[rid]
-            if block_ids is not None:
-                st.block_ids = block_ids if replace else st.block_ids + block_ids
-            done = computed + out.num_scheduled_tokens.get(rid, 0)
-            final = done >= st.num_tokens
-            ready = _cdiv(st.num_tokens, self.block_size) if final else done // self.block_size
-            if ready > st.ready or final:
-                st.ready = min(ready, len(st.block_ids))
-                st.final = final
-                self._push_out.append(dataclasses.replace(st, block_ids=list(st.block_ids)))
-            if final:
-                del self._pushing[rid]
 
     # -- both --------------------------------------------------------------------------------
     def build_connector_meta(self, out: SchedulerOutput | None = None) -> PDConnectorMetadata:
         if out is not None:
             self._push_steps(out)
         meta = PDConnectorMetadata(
-            recv=self._recv, send=self._send, push_recv=self._push_recv, push_send=self._push_out
+            recv=self._recv,
+            send=self._send,
+            push_recv=self._push_recv,
+            push_send=self._pushing.take(),
         )
-        self._recv, self._send, self._push_recv, self._push_out = [], {}, [], []
+        self._recv, self._send, self._push_recv = [], {}, []
         return meta
 
     def request_finished(
@@ -261,26 +234,25 @@ class PDScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        self._matched.pop(request.request_id, None)
-        st = self._pushing.pop(request.request_id, None)
-        if st is not None:  # ended before its prompt was complete: the push ends with it
-            self._push_out.append(dataclasses.replace(st, final=True, aborted=True))
+        rid = request.request_id
+        self._matched.pop(rid, None)
+        self._pushing.end(rid)
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):
+        if pdp.wants_remote_prefill(params):
             # Decode side, finished before it was ever scheduled (aborted): free the prefill's
             # blocks now instead of at the end of their lease.
-            params["do_remote_prefill"] = False
-            if params.get("push_id"):
-                pushed = RemotePush.parse(params)
+            pdp.release(params)
+            if pdp.is_push(params):
+                pushed = _push(params, rid, warn=False)
                 if pushed is not None:
-                    self._push_recv.append(PushRecvSpec(request.request_id, [], 0, 0, "", pushed))
-                return False, None
-            remote = RemotePrefill.parse(params)
-            if remote is not None:
-                self._recv.append(RecvSpec(request.request_id, [], [], remote))
+                    self._push_recv.append(PushRecvSpec(rid, [], 0, 0, "", pushed))
+            else:
+                remote = _pull(params, rid, warn=False)
+                if remote is not None:
+                    self._recv.append(RecvSpec(rid, [], [], remote))
             return False, None
-        if not params.get("do_remote_decode"):
+        if not pdp.wants_remote_decode(params):
             return False, None
         # Prefill side.
         if request.status not in (
@@ -293,22 +265,18 @@ class PDScheduler:
         if not block_ids or prompt is None or num_tokens <= 0:
             return False, None
         if self.side_channels is None:
-            log.warning(
-                "no worker handshake yet; request %s is not handed over", request.request_id
-            )
+            log.warning("no worker handshake yet; request %s is not handed over", rid)
             return False, None
-        blocks = list(block_ids[: _cdiv(num_tokens, self.block_size)])
-        self._send[request.request_id] = self.config.kv_lease
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_block_ids": blocks,
-            "remote_num_tokens": num_tokens,
-            "remote_prompt_hash": prompt_hash(prompt[:num_tokens]),
-            "remote_side_channels": list(self.side_channels),
-            "remote_tp_size": self.tp_size,
-            # The worker's lease starts a little later than this, so decode errs on the safe side.
-            "remote_expires_at": time.time() + self.config.kv_lease,
-        }
+        lease = self.config.kv_lease
+        self._send[rid] = lease
+        out = handover(
+            self.engine_id,
+            rid,
+            prompt,
+            num_tokens,
+            block_ids,
+            self.side_channels,
+            self.block_size,
+            lease,
+        )
+        return True, pdp.encode(out)

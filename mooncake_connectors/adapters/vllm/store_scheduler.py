@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ...errors import ConfigError, MooncakeConnectorsError
+from ...errors import ConfigError
+from ...store.guarded import FAILED, GuardedStore
 from ..keys import Shard
 from .store_config import StoreConnectorConfig
 from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
-from .store_link import LazyStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,7 +98,12 @@ class StoreScheduler:
         self.keys, self.layers = block_keys(config, vllm_config, kv_cache_config)
         self.load = load
         self.save = save
-        self.store = LazyStore(config, config.lookup_timeout, name="store scheduler")
+        # Connecting happens in the background; a lookup never waits for an absent store.
+        self.store = GuardedStore(
+            config.client_config(config.lookup_timeout),
+            cooldown=config.cooldown,
+            name="store scheduler",
+        )
         self._hashes: dict[str, list[str]] = {}  # request id -> chained hashes of its prompt
         self._hits: dict[str, _Hit] = {}
         # Requests a load was issued for. One load per request: if it failed, vLLM reschedules
@@ -119,16 +124,13 @@ class StoreScheduler:
 
     def _held_blocks(self, hashes: list[str]) -> int:
         """How many of ``hashes``, from the first, the store holds for every layer and rank."""
-        client = self.store.get()
-        if client is None or not hashes:
+        if not hashes or self.store.ready() is None:
             return 0
         keys = []
         for r in range(self.tp_size):
             keys.extend(self.keys.for_rank(r).keys(hashes, self.layers))
-        try:
-            present = client.batch_exists(keys)
-        except MooncakeConnectorsError as exc:
-            self.store.failed(exc)
+        present = self.store.call("lookup", lambda client: client.batch_exists(keys))
+        if present is FAILED:
             return 0
         # keys are rank-major, then block, then layer
         n = len(hashes)
@@ -211,7 +213,7 @@ class StoreScheduler:
             self._hashes.pop(rid, None)
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
         n = min(len(hashes), computed // self.block_size, len(block_ids))
-        if n <= 0 or self.store.get() is None:
+        if n <= 0 or self.store.ready() is None:
             return False, None
         self._saves.append(BlockSpec(rid, list(block_ids[:n]), hashes[:n]))
         return True, None  # vLLM keeps the blocks until the workers report the save done

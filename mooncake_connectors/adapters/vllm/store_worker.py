@@ -25,13 +25,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, MooncakeConnectorsError, ObjectExists
+from ...pd.layout import layer_layouts, register_spans
+from ...pd.messages import LayerLayout
 from ...store.client import StoreClient
-from .layout import layer_layouts, register_spans
-from .side_channel import LayerLayout
+from ...store.guarded import FAILED, GuardedStore
+from ...store.writer import Result
 from .stats import StoreStats
 from .store_config import StoreConnectorConfig
 from .store_keys import BlockKeys
-from .store_link import LazyStore
 from .store_scheduler import BlockSpec, StoreConnectorMetadata
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class StoreWorker:
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
         self.layers: list[LayerLayout] = []
-        self.store: LazyStore | None = None
+        self.store: GuardedStore | None = None
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._io = threading.Lock()  # one store call at a time (main thread and store thread)
@@ -102,8 +103,11 @@ class StoreWorker:
             for addr, size in spans:  # zero-copy: the store reads and writes vLLM's blocks
                 client.register_buffer(addr, size)
 
-        self.store = LazyStore(
-            self.config, self.config.timeout, on_connect, name=f"store worker {tp_rank}"
+        self.store = GuardedStore(
+            self.config.client_config(self.config.timeout),
+            cooldown=self.config.cooldown,
+            name=f"store worker {tp_rank}",
+            on_connect=on_connect,
         )
         log.info(
             "store worker %d: %d layers, %d blocks of %d bytes, keys %s/...",
@@ -157,11 +161,10 @@ class StoreWorker:
                 sizes.append(lay.block_bytes)
         return keys, addrs, sizes
 
-    def _client(self) -> StoreClient:
-        client = None if self.store is None else self.store.get()
-        if client is None:
+    def _store(self) -> GuardedStore:
+        if self.store is None or self.store.ready() is None:
             raise _Refused("no store connection")
-        return client
+        return self.store
 
     def _load(self, spec: BlockSpec, report: bool = True) -> None:
         failed = set(spec.block_ids)
@@ -173,14 +176,11 @@ class StoreWorker:
             if len(spec.hashes) != len(spec.block_ids):
                 raise _Refused(f"{len(spec.hashes)} hashes for {len(spec.block_ids)} blocks")
             keys, addrs, sizes = self._plan(spec)
-            client = self._client()
-            try:
-                with self._io:
-                    got = client.batch_get_into(keys, addrs, sizes)
-            except MooncakeConnectorsError as exc:  # no answer from the master: skip it a while
-                assert self.store is not None
-                self.store.failed(exc)
-                raise
+            store = self._store()
+            with self._io:
+                got = store.call("load", lambda client: client.batch_get_into(keys, addrs, sizes))
+            if got is FAILED:
+                raise _Refused("the store call failed (logged above)")
             per_block = len(self.layers)
             bad = next((i for i, n in enumerate(got) if n != sizes[i]), None)
             if bad is None:
@@ -214,16 +214,23 @@ class StoreWorker:
         t0 = time.perf_counter()
         try:
             keys, addrs, sizes = self._plan(spec)
-            client = self._client()
-            with self._io:
+            store = self._store()
+
+            def save(client: StoreClient) -> tuple[list[int], list[Result]]:
                 present = client.batch_exists(keys)
                 todo = [i for i, p in enumerate(present) if not p]
-                results = client.batch_put_from(
+                return todo, client.batch_put_from(
                     [keys[i] for i in todo],
                     [addrs[i] for i in todo],
                     [sizes[i] for i in todo],
                     replicas=self.config.replicas,
                 )
+
+            with self._io:
+                got = store.call("save", save)
+            if got is FAILED:
+                raise MooncakeConnectorsError("the store call failed (logged above)")
+            todo, results = got
             errors = [e for e in results if e is not None and not isinstance(e, ObjectExists)]
             if errors:
                 self.stats.record_failed_save()

@@ -6,20 +6,23 @@ Endpoint (``PATH`` defaults to ``/metadata``, as Mooncake's own HTTP metadata se
     DELETE PATH?key=K      200 | 404
     GET    PATH?prefix=P   200 msgpack {key: value}
     GET    /health         200 "ok"
-With a token configured every request needs ``Authorization: Bearer TOKEN`` (else 401).
+With a token configured every request needs ``Authorization: Bearer TOKEN`` (else 401), except
+``/health`` on the default loopback binds (see ``config.info_needs_token``). A read-only server
+(the one the ``p2p`` backend embeds: only its own process writes) answers PUT and DELETE with 405.
+The token travels in clear text: it keeps out those who cannot see the traffic, nothing more.
 """
 
 from __future__ import annotations
 
-import hmac
 import http.client
 import logging
+import sys
 import threading
 import urllib.parse
 
 import msgspec
 
-from ...config import EngineConfig
+from ...config import EngineConfig, bearer_ok, info_needs_token, is_loopback
 from ...errors import ConfigError, MetadataError
 from ...netguard import HTTP_REQUEST_TIMEOUT, GuardedHandler, GuardedHTTPServer
 from ...plugins import hookimpl
@@ -48,15 +51,14 @@ class _Handler(GuardedHandler):
 
     def _route(self) -> tuple[str, dict[str, str]] | None:
         url = urllib.parse.urlsplit(self.path)
+        token = self.server.token
+        public = url.path == "/health" and not info_needs_token(self.server.host, token)
+        if token and not public and not bearer_ok(self.headers.get("Authorization"), token):
+            self._reply(401, b"missing or wrong token", "text/plain")
+            return None
         if url.path == "/health":
             self._reply(200, b"ok", "text/plain")
             return None
-        token = self.server.token
-        if token:
-            got = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                self._reply(401, b"missing or wrong token", "text/plain")
-                return None
         if url.path.rstrip("/") != self.server.path:
             self._reply(404, b"unknown path", "text/plain")
             return None
@@ -84,9 +86,15 @@ class _Handler(GuardedHandler):
         else:
             self._reply(400, b"give ?key= or ?prefix=", "text/plain")
 
+    def _writable(self) -> bool:
+        if not self.server.writable:
+            self._reply(405, b"this endpoint is read-only", "text/plain")
+            self.close_connection = True  # an unread PUT body must not be taken for a request
+        return self.server.writable
+
     def do_PUT(self) -> None:
         r = self._route()
-        if r is None:
+        if r is None or not self._writable():
             return
         _, q = r
         try:
@@ -111,7 +119,7 @@ class _Handler(GuardedHandler):
 
     def do_DELETE(self) -> None:
         r = self._route()
-        if r is None:
+        if r is None or not self._writable():
             return
         _, q = r
         with self.server.lock:
@@ -123,11 +131,18 @@ class _Server(GuardedHTTPServer):
     allow_reuse_address = True
 
     def __init__(
-        self, addr: tuple[str, int], path: str, token: str | None, request_timeout: float
+        self,
+        addr: tuple[str, int],
+        path: str,
+        token: str | None,
+        writable: bool = True,
+        request_timeout: float = HTTP_REQUEST_TIMEOUT,
     ) -> None:
         super().__init__(addr, _Handler, request_timeout)
+        self.host = addr[0]
         self.path = path.rstrip("/") or "/"
         self.token = token
+        self.writable = writable
         self.store: dict[str, bytes] = {}
         self.lock = threading.Lock()
 
@@ -142,16 +157,24 @@ class MetadataHTTPServer:
         *,
         path: str = "/metadata",
         token: str | None = None,
+        writable: bool = True,
         request_timeout: float = HTTP_REQUEST_TIMEOUT,
     ) -> None:
         if not path.startswith("/"):
             raise ConfigError(f"metadata path must start with '/', got {path!r}")
         # request_timeout: a whole request (line, headers, body) must arrive within it
-        self._srv = _Server((host, port), path, token, request_timeout)
+        self._srv = _Server((host, port), path, token, writable, request_timeout)
+        if not token and not is_loopback(host):
+            log.warning(
+                "metadata server bound to %s without a token: anyone who reaches it can read "
+                "and replace segment descriptors",
+                host,
+            )
         self.host = host
         self.port = self._srv.server_address[1]
         self.path = path
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def url(self) -> str:
@@ -159,22 +182,34 @@ class MetadataHTTPServer:
         return f"http://{h}:{self.port}{self.path}"
 
     def start(self) -> MetadataHTTPServer:
-        self._thread = threading.Thread(
-            target=self._srv.serve_forever,
-            kwargs={"poll_interval": 0.2},
-            name="mc-metadata-http",
-            daemon=True,
-        )
+        self._thread = threading.Thread(target=self._serve, name="mc-metadata-http", daemon=True)
         self._thread.start()
         return self
+
+    def _serve(self) -> None:
+        # Our own loop, not serve_forever: its shutdown() waits, without a bound, for the serve
+        # thread to notice, and a thread frozen by interpreter exit never does.
+        self._srv.timeout = 0.2
+        while not self._stopping.is_set():
+            try:
+                self._srv.handle_request()
+            except OSError:  # the socket was closed under us: stopping
+                if not self._stopping.is_set():
+                    log.exception("metadata server stopped on a socket error")
+                return
 
     def wait(self) -> None:
         if self._thread is not None:
             while self._thread.is_alive():
                 self._thread.join(timeout=1.0)
 
-    def stop(self) -> None:
-        self._srv.shutdown()
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop serving; waits at most ``timeout`` for the serve thread, and not at all during
+        interpreter exit (its thread may already be frozen)."""
+        self._stopping.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread() and not sys.is_finalizing():
+            t.join(timeout)
         self._srv.server_close()
 
     # direct access for the p2p backend that embeds this server

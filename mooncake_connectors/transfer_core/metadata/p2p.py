@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from ...config import EngineConfig
-from ...errors import MetadataError, SegmentNotFound
+from ...errors import AuthenticationError, MetadataError, SegmentNotFound
 from ...plugins import hookimpl
 from ..descriptor import SegmentDesc, decode_segment
 from .base import SEGMENT_PREFIX, MetadataBackend
@@ -28,7 +28,11 @@ class P2PMetadata(MetadataBackend):
         timeout: float = 5.0,
         token: str | None = None,
     ) -> None:
-        self.server = MetadataHTTPServer(host, port, path="/metadata", token=token).start()
+        # Peers only read a p2p endpoint; accepting their writes would let anyone who reaches it
+        # replace this process's descriptor.
+        self.server = MetadataHTTPServer(
+            host, port, path="/metadata", token=token, writable=False
+        ).start()
         self.host = host
         self.timeout = timeout
         self.token = token
@@ -77,6 +81,8 @@ class P2PMetadata(MetadataBackend):
             raise SegmentNotFound(
                 f"peer {name} does not answer: {exc.message}", segment=name
             ) from exc
+        if status == 401:  # final: asking again with the same token cannot help
+            raise AuthenticationError(f"peer {name} refused our token", peer=name)
         if status == 404:
             raise SegmentNotFound(f"peer {name} publishes no segment of that name", segment=name)
         if status != 200:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from ...errors import AccessViolation, MetadataError, TransportBroken, TransportClosed
 from ...plugins import hookimpl
-from ...types import Access, TransferOp
+from ...types import Access, LocationKind, TransferOp
 from ..descriptor import RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
 
@@ -130,7 +130,7 @@ class ShmTransport(Transport):
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
         if peer.host_id != host_id() or "shm" not in peer.endpoints:
             return False
-        if not region.location.startswith("cpu") or peer.pid in self._denied:
+        if region.kind is not LocationKind.CPU or peer.pid in self._denied:
             return False
         if peer.pid == os.getpid():
             return True

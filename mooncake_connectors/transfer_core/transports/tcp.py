@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
 import itertools
 import logging
+import os
 import queue
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ...errors import (
     AuthenticationError,
@@ -29,7 +31,7 @@ from ...errors import (
     TransportClosed,
 )
 from ...plugins import hookimpl
-from ...types import TransferOp
+from ...types import LocationKind, TransferOp
 from ..descriptor import RegionDesc, SegmentDesc
 from ..transport import Slice, Transport, TransportContext
 from . import wire
@@ -52,14 +54,25 @@ def split_hostport(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def open_connection(ctx: TransportContext, peer: str, addr: str, path: str) -> socket.socket:
-    """Connect and run the handshake; the socket comes back blocking, without a timeout."""
+def open_connection(
+    ctx: TransportContext, peer: str, addr: str, path: str, deadline: float | None = None
+) -> socket.socket:
+    """Connect and run the handshake; the socket comes back blocking, without a timeout.
+
+    With a request's ``deadline`` the setup gets what is left of it when that is less than
+    ``connect_timeout``, and running out is TransferTimeout (a stopped peer's kernel still
+    accepts connections: only its handshake never comes)."""
     cfg = ctx.config
     host, port = split_hostport(addr)
+    limit = cfg.connect_timeout
+    if deadline is not None:
+        limit = min(limit, deadline - time.monotonic())
+        if limit <= 0:
+            raise TransferTimeout("deadline passed before connecting", peer=peer, path=path)
     try:
-        sock = socket.create_connection((host, port), timeout=cfg.connect_timeout)
+        sock = socket.create_connection((host, port), timeout=limit)
     except OSError as exc:
-        raise TransportBroken(f"cannot connect: {exc}", peer=peer, path=path) from exc
+        raise _setup_error("cannot connect", exc, deadline, peer, path) from exc
     try:
         _tune(sock)
         hello = bytearray(wire.HELLO.size)
@@ -75,29 +88,43 @@ def open_connection(ctx: TransportContext, peer: str, addr: str, path: str) -> s
                 peer=peer,
                 path=path,
             )
-        token = cfg.auth_token if flags & wire.FLAG_AUTH else None
-        if flags & wire.FLAG_AUTH and not token:
-            raise AuthenticationError(
-                "peer requires a token and none is configured", peer=peer, path=path
-            )
-        sock.sendall(wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, wire.mac(token, nonce)))
+        token = cfg.auth_token
+        if bool(flags & wire.FLAG_AUTH) != bool(token):
+            # A target that asks for no token cannot prove it holds ours: it may be anyone who
+            # published a descriptor, so nothing is sent to it.
+            why = "requires a token and none is configured" if not token else "asks for no token"
+            raise AuthenticationError(f"peer {why}", peer=peer, path=path)
+        ours = os.urandom(wire.NONCE)
+        proof = wire.initiator_proof(token, nonce, ours)
+        sock.sendall(wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, proof, ours))
         verdict = bytearray(wire.VERDICT.size)
         wire.recv_exact(sock, memoryview(verdict))
-        _, status, _ = wire.VERDICT.unpack(verdict)
+        _, status, _, theirs = wire.VERDICT.unpack(verdict)
         if status == wire.VERDICT_BAD_TOKEN:
             raise AuthenticationError("peer rejected our token", peer=peer, path=path)
         if status != wire.VERDICT_OK:
             raise ProtocolError(
                 f"peer refused the connection (status {status})", peer=peer, path=path
             )
+        if not hmac.compare_digest(theirs, wire.target_proof(token, nonce, ours)):
+            raise AuthenticationError("peer failed to prove the token", peer=peer, path=path)
         sock.settimeout(None)
     except OSError as exc:
         sock.close()
-        raise TransportBroken(f"handshake failed: {exc}", peer=peer, path=path) from exc
+        raise _setup_error("handshake failed", exc, deadline, peer, path) from exc
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _setup_error(
+    what: str, exc: OSError, deadline: float | None, peer: str, path: str
+) -> MooncakeConnectorsError:
+    late = deadline is not None and time.monotonic() > deadline - 0.01  # (timers round)
+    if late and isinstance(exc, TimeoutError):
+        return TransferTimeout(f"{what}: the request's deadline passed", peer=peer, path=path)
+    return TransportBroken(f"{what}: {exc}", peer=peer, path=path)
 
 
 def frame(batch: Sequence[Slice], ids: Iterator[int]) -> tuple[list[memoryview | bytes], list[int]]:
@@ -120,7 +147,13 @@ def frame(batch: Sequence[Slice], ids: Iterator[int]) -> tuple[list[memoryview |
 
 
 def finish_response(
-    sock: socket.socket, hdr: bytearray, s: Slice, want: int, peer: str, path: str
+    sock: socket.socket,
+    hdr: bytearray,
+    s: Slice,
+    want: int,
+    peer: str,
+    path: str,
+    progress: Callable[[], object] | None = None,
 ) -> MooncakeConnectorsError | None:
     """Given a response header already in ``hdr``, read the rest for ``s`` (READ data lands in
     place). Returns the peer's error, if any; raises ProtocolError/OSError on a broken stream."""
@@ -131,7 +164,7 @@ def finish_response(
         if s.op is TransferOp.READ:
             if length != s.length:
                 raise ProtocolError("READ answered with a wrong length", peer=peer, path=path)
-            wire.recv_exact(sock, s.local_view())
+            wire.recv_exact(sock, s.local_view(), progress)
         return None
     if length > wire.MAX_ERROR_MESSAGE:
         raise ProtocolError("oversized error message", peer=peer, path=path)
@@ -288,6 +321,7 @@ class _Direct:
         self.hdr = bytearray(wire.RESP.size)
         self.hv = memoryview(self.hdr)
         self.timeout = -1.0  # kernel timeout currently set, seconds
+        self.deadline = 0.0  # of the call driving it now (monotonic)
 
     def bound(self, seconds: float) -> None:
         """Bound each send/recv by ``seconds``. Requests in a row have nearly equal deadlines, so
@@ -297,6 +331,13 @@ class _Direct:
             return
         _kernel_timeout(self.sock, seconds)
         self.timeout = max(seconds, 0.001)
+
+    def rebound(self) -> None:
+        """Bound the next send/recv by what is left of ``deadline``; TimeoutError if nothing."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's deadline passed")
+        self.bound(left)
 
 
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
@@ -342,7 +383,7 @@ class TcpTransport(Transport):
         return {"tcp": f"{host}:{self._server.port}"}
 
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
-        return "tcp" in peer.endpoints and region.location.startswith("cpu")
+        return "tcp" in peer.endpoints and region.kind is LocationKind.CPU
 
     def lanes(self, peer: SegmentDesc) -> int:
         return self.ctx.config.tcp_lanes
@@ -394,18 +435,20 @@ class TcpTransport(Transport):
         request/response socket loop would, with no thread handoff. Socket timeouts follow the
         earliest deadline, so this returns by then (plus one syscall) at the latest."""
         key = f"{peer.name}|{addr}"
+        deadline = min(s.deadline for s in slices)
         with self._lock:
             pool = self._idle.get(key)
             conn = pool.pop() if pool else None
         if conn is None:
             path = f"tcp {addr} direct"
             try:
-                conn = _Direct(open_connection(self.ctx, peer.name, addr, path), path)
+                sock = open_connection(self.ctx, peer.name, addr, path, deadline)
             except MooncakeConnectorsError as exc:
                 for s in slices:
                     s.complete(exc)
                 return
-        deadline = min(s.deadline for s in slices)
+            conn = _Direct(sock, path)
+        conn.deadline = deadline
         done = 0
         err: MooncakeConnectorsError | None = None
         sock = conn.sock
@@ -415,12 +458,15 @@ class TcpTransport(Transport):
                     s.path = conn.path
                 conn.bound(deadline - time.monotonic())
                 bufs, rids = frame(chunk, conn.ids)
-                wire.sendmsg_all(sock, bufs)
+                wire.sendmsg_all(sock, bufs, conn.rebound)
                 for s, rid in zip(chunk, rids, strict=True):
+                    conn.rebound()  # each wait gets what is left of the deadline, no more
                     k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
                     if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
-                        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv)
-                    result = finish_response(sock, conn.hdr, s, rid, peer.name, conn.path)
+                        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
+                    result = finish_response(
+                        sock, conn.hdr, s, rid, peer.name, conn.path, conn.rebound
+                    )
                     done += 1
                     s.complete(result)
         except (TimeoutError, BlockingIOError):

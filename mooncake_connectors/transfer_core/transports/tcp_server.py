@@ -100,17 +100,24 @@ class TcpServer:
             wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_AUTH if token else 0, 0, nonce)
         )
         buf = bytearray(wire.AUTH.size)
-        wire.recv_until(conn, memoryview(buf), deadline)
-        magic, version, _, their_mac = wire.AUTH.unpack(buf)
+        # Magic and version first: an older client's shorter AUTH must get an answer, not a hang.
+        wire.recv_until(conn, memoryview(buf)[: wire.AUTH_HEAD.size], deadline)
+        magic, version, _ = wire.AUTH_HEAD.unpack_from(buf)
+        none = bytes(32)
         if magic != wire.MAGIC or version != wire.VERSION:
-            conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_VERSION, 0))
+            conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_VERSION, 0, none))
             log.warning("refused a client speaking version %s (magic %r)", version, magic)
             return False
-        if token and not hmac.compare_digest(their_mac, wire.mac(token, nonce)):
-            conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_TOKEN, 0))
+        wire.recv_until(conn, memoryview(buf)[wire.AUTH_HEAD.size :], deadline)
+        _, _, _, their_proof, their_nonce = wire.AUTH.unpack(buf)
+        if token and not hmac.compare_digest(
+            their_proof, wire.initiator_proof(token, nonce, their_nonce)
+        ):
+            conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_TOKEN, 0, none))
             log.warning("refused a client with a wrong token")
             return False
-        conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_OK, 0))
+        ours = wire.target_proof(token, nonce, their_nonce)
+        conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_OK, 0, ours))
         conn.settimeout(None)
         return True
 

@@ -1,9 +1,17 @@
 """Wire format of the tcp transport (also used by tests that send malformed frames).
 
-Connection start (server speaks first):
-    server HELLO  <4sHHI16s  magic b"MCCT", version, flags (bit 0: token required), 0, nonce
-    client AUTH   <4sHH32s   magic b"MCCT", version, 0, HMAC-SHA256(token, nonce) or zeros
-    server VERDICT <4sHH     magic b"MCCT", status (0 ok, 1 bad token, 2 bad version), 0
+Connection start (server speaks first), a mutual HMAC-SHA256 challenge-response:
+    server HELLO   <4sHHI16s   magic b"MCCT", version, flags (bit 0: token required), 0,
+                               target nonce
+    client AUTH    <4sHH32s16s magic b"MCCT", version, 0, initiator proof or zeros,
+                               initiator nonce
+    server VERDICT <4sHH32s    magic b"MCCT", status (0 ok, 1 bad token, 2 bad version), 0,
+                               target proof or zeros
+Both proofs cover both nonces under different labels, so neither side can replay the other's
+answer, and the target answers with its proof only to an initiator that proved the token first.
+An initiator holding a token refuses a target that does not ask for one or whose proof is wrong,
+before any request is sent. HELLO keeps its version-1 layout so that peers of either version
+read each other's version and fail with a clear mismatch.
 Then pipelined requests, answered in order:
     request  <IBBHQQQ  REQ_MAGIC, op, 0, 0, request id, remote address, length [+ payload if WRITE]
     response <IBBHQQ   RESP_MAGIC, status, 0, 0, request id, length [+ payload: READ data, or an
@@ -17,14 +25,15 @@ import hmac
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
-from ..descriptor import PROTOCOL_VERSION
 
 MAGIC = b"MCCT"
 HELLO = struct.Struct("<4sHHI16s")
-AUTH = struct.Struct("<4sHH32s")
-VERDICT = struct.Struct("<4sHH")
+AUTH_HEAD = struct.Struct("<4sHH")  # what the target checks before reading the rest of AUTH
+AUTH = struct.Struct("<4sHH32s16s")
+VERDICT = struct.Struct("<4sHH32s")
 REQ = struct.Struct("<IBBHQQQ")
 RESP = struct.Struct("<IBBHQQ")
 REQ_MAGIC = 0x4D435251  # "MCRQ"
@@ -47,17 +56,35 @@ FLAG_AUTH = 1
 MAX_PAYLOAD = 1 << 30  # matches the largest slice_size EngineConfig accepts
 MAX_ERROR_MESSAGE = 4096
 
-VERSION = PROTOCOL_VERSION
+# 1: one-way authentication (initiator only); 2: mutual. Independent of descriptor versions.
+VERSION = 2
+NONCE = 16
 
 
-def mac(token: str | None, nonce: bytes) -> bytes:
+def initiator_proof(token: str | None, target_nonce: bytes, initiator_nonce: bytes) -> bytes:
+    return _proof(token, b"mcct-initiator\0", target_nonce, initiator_nonce)
+
+
+def target_proof(token: str | None, target_nonce: bytes, initiator_nonce: bytes) -> bytes:
+    return _proof(token, b"mcct-target\0", target_nonce, initiator_nonce)
+
+
+def _proof(token: str | None, label: bytes, target_nonce: bytes, initiator_nonce: bytes) -> bytes:
     if not token:
         return bytes(32)
-    return hmac.new(token.encode(), b"mcct-auth" + nonce, hashlib.sha256).digest()
+    msg = label + target_nonce + initiator_nonce
+    return hmac.new(token.encode(), msg, hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, buf: memoryview) -> None:
-    """Fill ``buf`` completely from ``sock``; ConnectionError when the peer closes first."""
+def recv_exact(
+    sock: socket.socket, buf: memoryview, progress: Callable[[], object] | None = None
+) -> None:
+    """Fill ``buf`` completely from ``sock``; ConnectionError when the peer closes first.
+
+    A socket timeout bounds each receive, and one that times out returns what it has:
+    ``progress`` runs before the next one, to bound it by what is left of the caller's deadline
+    (or raise TimeoutError), so a peer that stops mid-frame costs the deadline, not another
+    timeout per receive."""
     n = len(buf)
     got = 0
     while got < n:
@@ -65,6 +92,8 @@ def recv_exact(sock: socket.socket, buf: memoryview) -> None:
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
+        if got < n and progress is not None:
+            progress()
 
 
 def recv_until(sock: socket.socket, buf: memoryview, deadline: float) -> None:
@@ -114,9 +143,18 @@ def set_io_tick(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def sendmsg_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
-    """Send every buffer, in order, with as few syscalls as the kernel allows."""
+def sendmsg_all(
+    sock: socket.socket,
+    bufs: list[memoryview | bytes],
+    progress: Callable[[], object] | None = None,
+) -> None:
+    """Send every buffer, in order, with as few syscalls as the kernel allows (``progress``
+    runs between partial sends, as in ``recv_exact``)."""
+    first_call = True
     while bufs:
+        if not first_call and progress is not None:
+            progress()
+        first_call = False
         sent = sock.sendmsg(bufs[:1024])
         while sent:
             first = bufs[0]

@@ -1,0 +1,386 @@
+"""vLLM OpenAI servers and our proxy as subprocesses, with deadlines on every wait.
+
+Used by the vLLM integration tests and ``mooncake-connectors bench vllm-pd``; no vLLM import
+(the servers are other processes). Each server runs in its own session (process group) so that
+stopping or killing it takes its engine-core and worker children along; its output goes to a log
+file (``tail()``). Engines are pinned to one CPU core each (``VLLM_CPU_OMP_THREADS_BIND``): two
+engines sharing a core starve each other.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ENGINE_START_TIMEOUT = 300.0  # two engines starting at once on two shared cores are slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_ok(url: str) -> bool:
+    """True when ``url`` answers 200 within half a second."""
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+class Server(abc.ABC):
+    """A subprocess answering HTTP on 127.0.0.1:port; ``url`` is its base URL."""
+
+    name = "server"
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{self.name}-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @abc.abstractmethod
+    def command(self) -> list[str]:
+        """The argv that starts this server."""
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def launch(self) -> Server:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Server:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} while starting:\n{self.tail()}"
+                )
+            if http_ok(self.url + "/health"):
+                return self
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(t for t in text[-lines:] if not t.startswith("WARNING: Location"))
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash, as far as peers can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the API server shuts its engine processes down itself
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        # children left behind by a parent that died first
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class VllmServer(Server):
+    """``python -m vllm.entrypoints.openai.api_server`` on the tiny model, pinned to one core."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        log_dir: Path,
+        model: Path,
+        *,
+        core: int,
+        kv_transfer_config: dict[str, Any] | None = None,
+        max_model_len: int = 4096,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(log_dir)
+        self.model = model
+        self.core = core
+        self.kv_transfer_config = kv_transfer_config
+        self.max_model_len = max_model_len
+        self.args = args
+        self.env = env or {}
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--seed",
+            "0",
+            *self.args,
+        ]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND=str(self.core),
+            VLLM_HOST_IP="127.0.0.1",
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.env)
+        return env
+
+    def metric(self, name: str, label: str = "") -> float:
+        """Sum of a Prometheus metric over its label sets that contain ``label`` (0: absent)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class ProxyServer(Server):
+    """``mooncake-connectors proxy`` as a user runs it."""
+
+    name = "proxy"
+
+    def __init__(self, log_dir: Path, prefill: list[str], decode: list[str], *extra: str) -> None:
+        super().__init__(log_dir)
+        self.prefill = prefill
+        self.decode = decode
+        self.extra = list(extra)  # more proxy flags, e.g. --layerwise-push
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "mooncake_connectors", "proxy", "--port", str(self.port)]
+        for u in self.prefill:
+            cmd += ["--prefill", u]
+        for u in self.decode:
+            cmd += ["--decode", u]
+        return cmd + self.extra
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids drawn from ``seed`` (the tests' and benchmarks' prompts: reproducible)."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1024) for _ in range(n)]
+
+
+def pd_kv_config(role: str, **extra: Any) -> dict[str, Any]:
+    """``--kv-transfer-config`` of our PD connector in ``role``, recomputing failed loads."""
+    return {
+        "kv_connector": "MooncakeConnectorsPD",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"POST {url} -> {exc.code}: {exc.read()[:2000]!r}") from None
+
+
+def iter_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> Iterator[dict[str, Any]]:
+    """The ``data:`` events of a streaming answer as they arrive, up to ``[DONE]``."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+
+
+def post_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> list[dict[str, Any]]:
+    """All the ``data:`` events of a streaming answer, up to ``[DONE]``."""
+    return list(iter_stream(url, body, timeout))
+
+
+def stream_completion(
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
+    *,
+    t0: float | None = None,
+    timeout: float = 300.0,
+) -> tuple[float, float, list[int]]:
+    """Stream a greedy, fixed-length completion of a token-id prompt from ``url``.
+
+    Returns (seconds from ``t0`` (default: the send) to the first token, seconds to the end,
+    all token ids)."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    body.update(extra or {})
+    start = time.perf_counter() if t0 is None else t0
+    first = 0.0
+    ids: list[int] = []
+    for event in iter_stream(url + "/v1/completions", body, timeout):
+        for choice in event.get("choices") or []:
+            got = choice.get("token_ids") or []
+            if got and not first:
+                first = time.perf_counter() - start
+            ids.extend(got)
+    if not first:
+        raise RuntimeError(f"{url} streamed no token")
+    return first, time.perf_counter() - start, ids
+
+
+def completion(
+    url: str, prompt: list[int], max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Greedy, fixed-length completion of a token-id prompt; returns the whole answer."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    body.update(extra or {})
+    return post(url + "/v1/completions", body)
+
+
+def token_ids(answer: dict[str, Any]) -> list[int]:
+    ids = answer["choices"][0].get("token_ids")
+    if ids is None:
+        raise RuntimeError(f"no token_ids in answer: {answer}")
+    return list(ids)
+
+
+class StoreMaster(Server):
+    """``mooncake-connectors master`` on loopback; ``address`` is its control-plane address.
+
+    Short heartbeat timers, so a killed store server is noticed within about a second.
+    """
+
+    name = "store-master"
+
+    def __init__(self, log_dir: Path, server_ttl: float = 1.0) -> None:
+        super().__init__(log_dir)  # ``port``: the HTTP /health and /metrics port
+        self.server_ttl = server_ttl
+        self.rpc_port = free_port()
+        self.address = f"127.0.0.1:{self.rpc_port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mooncake_connectors",
+            "master",
+            "--port",
+            str(self.rpc_port),
+            "--metrics-port",
+            str(self.port),
+            "--heartbeat-interval",
+            "0.2",
+            "--server-ttl",
+            str(self.server_ttl),
+        ]
+
+
+class StoreServerProcess(Server):
+    """``mooncake-connectors store-server``; ready once a probe value can be stored."""
+
+    name = "store-server"
+
+    def __init__(self, log_dir: Path, master: str, memory: str = "1G") -> None:
+        super().__init__(log_dir)  # the port is unused: the server has no HTTP endpoint
+        self.master = master
+        self.memory = memory
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mooncake_connectors",
+            "store-server",
+            "--memory",
+            self.memory,
+            "--master",
+            self.master,
+        ]
+
+    def wait_ready(self, timeout: float = 60.0) -> Server:
+        from ..errors import MooncakeConnectorsError
+        from ..store import ClientConfig, StoreClient
+
+        end = time.monotonic() + timeout
+        key = f"probe-{self.port}"
+        with StoreClient(ClientConfig(master=self.master, timeout=5.0)) as client:
+            while time.monotonic() < end:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"store server exited while starting:\n{self.tail()}")
+                try:
+                    client.put(key, b"x")
+                    client.remove(key, force=True)
+                    return self
+                except MooncakeConnectorsError:
+                    time.sleep(0.2)
+        raise TimeoutError(f"store server not ready after {timeout}s:\n{self.tail()}")

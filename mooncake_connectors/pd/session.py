@@ -1,0 +1,324 @@
+"""A worker's PD transfer session: one per TP rank, engine-free, both roles in one object (so an
+instance that both prefills and decodes works).
+
+- prefill: registers the KV cache tensors with a :class:`TransferEngine` (peers may only READ),
+  serves its layout on the side channel, and holds finished requests' blocks until every decode
+  reader sends ``Done`` or the lease ends.
+- decode: for each :class:`~.plan.RecvSpec`, fetches the prefill's layout (once per prefill
+  engine), READs every block of every layer in one batch straight into the blocks the engine
+  allocated, then tells the prefill it is done. A failure or a missed deadline turns into load
+  errors for the affected blocks, which the engine recomputes.
+- layer-wise push: see :mod:`.push`.
+
+The engine adapter supplies the plain facts (``block_size``, ``tp_size``, ``tp_rank``, the block
+count, KV heads per rank), settings (:class:`~.settings.SessionSettings`) and a stats sink, and
+forwards each step's :class:`~.plan.StepPlan`. Loads run on a small thread pool so a slow or dead
+prefill never stalls the model runner.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError, LoadRefused, MooncakeConnectorsError, TransferError
+from ..transfer_core import TransferEngine
+from ..types import Access, TransferStatus
+from .layout import (
+    check_compatible,
+    layer_layouts,
+    plan_reads,
+    readers_per_source,
+    register_spans,
+    source_ranks,
+)
+from .messages import Done, WorkerLayout
+from .plan import RecvSpec, StepPlan
+from .push import LayerPush
+from .settings import SessionSettings, SessionStats
+from .side_channel import SideChannelClient, SideChannelServer
+
+log = logging.getLogger(__name__)
+_LOADERS = 4  # concurrent request loads (each is one batch spread over the engine's lanes)
+
+
+class TransferSession(LayerPush):
+    """One TP rank's transfers. The engine adapter calls :meth:`register` once, then each step
+    :meth:`start_load_kv` with the step's plan and :meth:`get_finished` /
+    :meth:`take_load_errors` for what to report back; layer-wise push adds
+    :meth:`save_kv_layer` and :meth:`wait_for_save` around each forward."""
+
+    def __init__(
+        self,
+        config: SessionSettings,
+        engine_id: str,
+        *,
+        block_size: int,
+        tp_size: int,
+        num_blocks: int,
+        num_kv_heads: int = 0,
+        stats: SessionStats,
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads  # this rank's, from the engine's KV cache spec
+        self.tp_rank = 0
+        self.engine: TransferEngine | None = None
+        self.layout: WorkerLayout | None = None
+        self._server: SideChannelServer | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(_LOADERS, "mc-pd-load")
+        self._tls = threading.local()
+        self._clients: list[SideChannelClient] = []
+        self._lock = threading.Lock()
+        self._layouts: dict[tuple[str, str], WorkerLayout] = {}
+        self._silent: dict[str, float] = {}  # side channel -> until when it is taken as down
+        self._sending: dict[str, float] = {}  # prefill request id -> lease deadline
+        # Done received (maybe before the lease began): request id -> (first seen, readers, ranks)
+        self._done: dict[str, tuple[float, int, set[int]]] = {}
+        self._recv_done: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.stats = stats
+        self._layer_names: dict[str, list[str]] = {}  # engine layer -> its entries in our layout
+        self._init_push()
+
+    # -- setup -------------------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any], tp_rank: int) -> None:
+        """Register this rank's KV cache tensors (torch tensors, read only for their geometry,
+        device and dtype) and open the side channel."""
+        self.tp_rank = tp_rank
+        if not kv_caches:
+            raise ConfigError("no KV cache tensors to register")
+        layers = []
+        for name, tensor in kv_caches.items():
+            mine = layer_layouts(name, tensor, self.num_blocks, self.num_kv_heads)
+            self._layer_names[name] = [lay.name for lay in mine]
+            layers.extend(mine)
+        first = next(iter(kv_caches.values()))
+        location = f"cuda:{first.device.index or 0}" if first.device.type == "cuda" else "cpu:0"
+        engine = TransferEngine(self.config.engine_config()).start()
+        try:
+            # Peers may only READ our KV cache (our own READs land in it all the same), unless
+            # this instance accepts layer-wise pushes from prefill instances.
+            engine.register_many(
+                register_spans(layers),
+                location=location,
+                access=Access.READ_WRITE if self.config.accept_push else Access.READ,
+                owner=list(kv_caches.values()),
+            )
+            port = self.config.side_channel_port
+            self._server = SideChannelServer(
+                self.config.host,
+                port + self.tp_rank if port else 0,
+                self._get_layout,
+                self._on_done,
+                on_push_target=self._on_push_target,
+                on_push_done=self._on_push_done,
+            )
+        except BaseException:
+            engine.close()
+            raise
+        self.engine = engine
+        self.layout = WorkerLayout(
+            engine_id=self.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            segment=engine.segment_name,
+            side_channel=self._server.endpoint,
+            block_size=self.block_size,
+            dtype=str(first.dtype),
+            layers=layers,
+        )
+        log.info(
+            "PD worker %d: %d layers, segment %s, side channel %s",
+            self.tp_rank,
+            len(kv_caches),
+            engine.segment_name,
+            self._server.endpoint,
+        )
+
+    def _get_layout(self) -> WorkerLayout:
+        if self.layout is None:  # asked before register() finished: no answer yet
+            raise ConfigError("KV caches not registered yet")
+        return self.layout
+
+    @property
+    def side_channel(self) -> str | None:
+        """Where this rank's side channel listens (None before :meth:`register`)."""
+        return None if self._server is None else self._server.endpoint
+
+    # -- prefill side ------------------------------------------------------------------------
+    def _on_done(self, msg: Done) -> None:
+        if msg.engine_id != self.engine_id:
+            log.warning(
+                "Done for engine %s reached engine %s; ignored", msg.engine_id, self.engine_id
+            )
+            return
+        now = time.monotonic()
+        with self._lock:
+            for rid in msg.request_ids:
+                first, _, ranks = self._done.get(rid, (now, msg.readers, set()))
+                ranks.add(msg.reader)
+                self._done[rid] = (first, max(1, msg.readers), ranks)
+
+    # -- per step ----------------------------------------------------------------------------
+    def start_load_kv(self, meta: StepPlan) -> None:
+        now = time.monotonic()
+        if meta.send:
+            with self._lock:
+                for rid, lease in meta.send.items():
+                    self._sending[rid] = now + lease
+        for spec in meta.recv:
+            self._pool.submit(self._load, spec)
+        self.begin_step(meta)
+        for pspec in meta.push_recv:
+            self._expect_push(pspec)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        now = time.monotonic()
+        self._expire_pushes(now)
+        with self._lock:
+            sent = {
+                rid
+                for rid in self._sending
+                if rid in self._done and len(self._done[rid][2]) >= self._done[rid][1]
+            }
+            expired = {rid for rid, end in self._sending.items() if end <= now} - sent
+            for rid in sent | expired:
+                del self._sending[rid]
+                self._done.pop(rid, None)
+            # Done notices for requests we never held (aborted prefills) do not pile up.
+            horizon = now - self.config.kv_lease
+            for rid in [r for r, (t, _, _) in self._done.items() if t < horizon]:
+                del self._done[rid]
+            recved, self._recv_done = self._recv_done, set()
+        for rid in expired:
+            log.warning("request %s: decode did not read its KV within the lease; freed", rid)
+            self.stats.record_expired_lease()
+        if expired and self._pushes:
+            with self._lock:  # their blocks are free now: never write from them again
+                for p in self._pushes.values():
+                    if p.request_id in expired and p.error is None:
+                        p.error = "the prefill's lease on the blocks ended"
+        return (sent | expired) or None, recved or None
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- decode side: one request's load, on the pool ------------------------------------------
+    def _client(self) -> SideChannelClient:
+        client: SideChannelClient | None = getattr(self._tls, "client", None)
+        if client is None:
+            client = SideChannelClient(self.config.handshake_timeout)
+            self._tls.client = client
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def _remote_layout(self, engine_id: str, endpoint: str) -> WorkerLayout:
+        key = (engine_id, endpoint)
+        with self._lock:
+            layout = self._layouts.get(key)
+            silent_until = self._silent.get(endpoint, 0.0)
+        if layout is None:
+            if time.monotonic() < silent_until:
+                # It just failed to answer: fail the loads queued behind it at once instead of
+                # letting each wait out its own handshake deadline.
+                raise LoadRefused(f"side channel {endpoint} did not answer a moment ago")
+            try:
+                layout = self._client().fetch_layout(endpoint)
+            except TransferError:
+                with self._lock:
+                    self._silent[endpoint] = time.monotonic() + self.config.handshake_timeout
+                raise
+            if layout.engine_id != engine_id:
+                raise LoadRefused(
+                    f"{endpoint} now serves engine {layout.engine_id}, not {engine_id} "
+                    "(prefill restarted?)"
+                )
+            assert self.layout is not None
+            check_compatible(self.layout, layout)
+            with self._lock:
+                self._layouts[key] = layout
+        return layout
+
+    def _load(self, spec: RecvSpec) -> None:
+        remote = spec.remote
+        failed: set[int] = set()
+        t0 = time.perf_counter()
+        nbytes = nreqs = 0
+        endpoints = list(remote.side_channels)  # until we know which ranks we read from
+        readers = 1
+        try:
+            ranks = source_ranks(self.tp_rank, self.tp_size, remote.tp_size)
+            readers = readers_per_source(self.tp_size, remote.tp_size)
+            endpoints = [remote.side_channels[r] for r in ranks]
+            if not spec.local_block_ids:
+                return  # release only
+            failed = set(spec.local_block_ids)  # until proven otherwise
+            if spec.error:
+                raise LoadRefused(spec.error)
+            if time.time() + self.config.transfer_timeout > remote.expires_at:
+                raise LoadRefused("the prefill's lease on these blocks ends before a read could")
+            layouts = [self._remote_layout(remote.engine_id, ep) for ep in endpoints]
+            assert self.layout is not None and self.engine is not None
+            reqs, owners = plan_reads(
+                self.layout, layouts, spec.local_block_ids, spec.remote_block_ids
+            )
+            t0 = time.perf_counter()
+            batch = self.engine.submit(reqs, timeout=self.config.transfer_timeout)
+            batch.wait()
+            failed = set()
+            first_error: BaseException | None = None
+            for i, (status, err) in enumerate(zip(batch.statuses, batch.errors, strict=True)):
+                if status is not TransferStatus.COMPLETED:
+                    failed.update(owners[i])
+                    first_error = first_error or err
+            if failed:
+                raise TransferError(f"{len(failed)} blocks failed: {first_error}")
+            nreqs = len(reqs)
+            nbytes = sum(r.length for r in reqs)
+        except MooncakeConnectorsError as exc:
+            log.warning(
+                "request %s: KV load from %s failed, %d blocks will be recomputed: %s",
+                spec.request_id,
+                endpoints,
+                len(failed),
+                exc,
+            )
+        except Exception:  # never lose a request: anything else is a failed load too
+            log.exception("request %s: KV load from %s failed", spec.request_id, endpoints)
+            failed = set(spec.local_block_ids)
+        finally:
+            client = self._client()
+            for ep in endpoints:
+                client.notify_done(ep, remote.engine_id, [remote.request_id], self.tp_rank, readers)
+            if spec.local_block_ids:
+                if failed:
+                    self.stats.record_failed_load()
+                else:
+                    self.stats.record_load(time.perf_counter() - t0, nbytes, nreqs)
+                with self._lock:
+                    self._load_errors.update(failed)
+                    self._recv_done.add(spec.request_id)
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.engine is not None:
+            self.engine.close()  # loads still in flight fail now instead of at their deadline
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for c in clients:  # after the pool: each client belongs to one of its threads
+            c.close()
+        self.engine = None

@@ -1,0 +1,198 @@
+"""The PD side channel: a worker's KV layout on request, "done reading" notices, and the two
+messages of layer-wise push.
+
+Each prefill worker (one per TP rank) serves a zmq ROUTER socket, on loopback unless configured
+otherwise. A decode worker asks it once per prefill engine for its :class:`WorkerLayout` (where
+each layer's KV blocks live in the prefill's registered memory) and, after reading a request's
+blocks, sends :class:`Done` so the prefill frees them before its lease runs out. Bytes never go
+through here: the decode side reads them one-sided through the transfer engine.
+
+Layer-wise push (opt-in): a decode worker that allocated blocks for a request sends the prefill
+worker a :class:`PushTarget` (its layout and block ids); the prefill worker WRITEs each layer's
+blocks there as the engine computes them and answers with :class:`PushDone` on the decode
+worker's own side channel.
+
+Messages are the msgspec msgpack structs of :mod:`.messages`. Clients are DEALER sockets owned by
+one thread each, with a deadline on every exchange; a reply carries the request's nonce so a late
+answer to an abandoned request is never taken for a newer one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from ..errors import ProtocolError, TransferTimeout, TransportBroken
+from .messages import (
+    Done,
+    LayoutReply,
+    LayoutRequest,
+    Message,
+    PushDone,
+    PushTarget,
+    WorkerLayout,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE = 16 << 20  # far above a layout or a push target of 10^5 blocks
+
+
+class SideChannelServer:
+    """A ROUTER socket on ``host:port`` (0: any free port) answered by one daemon thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        layout: Callable[[], WorkerLayout],
+        on_done: Callable[[Done], None],
+        on_push_target: Callable[[PushTarget], None] | None = None,
+        on_push_done: Callable[[PushDone], None] | None = None,
+    ) -> None:
+        self._layout = layout
+        self._on_done = on_done
+        self._on_push_target = on_push_target
+        self._on_push_done = on_push_done
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # libzmq allocates a message's declared size when its header arrives: a peer announcing
+        # more is disconnected instead. A peer that never finishes the ZMTP handshake is dropped
+        # after HANDSHAKE_IVL.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+        h = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        try:
+            if port:
+                self._sock.bind(f"tcp://{h}:{port}")
+            else:
+                self._sock.bind(f"tcp://{h}:*")
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            raise TransportBroken(f"side channel cannot bind {host}:{port}: {exc}") from exc
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        self.endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="mc-pd-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                identity, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+            except (zmq.Again, ValueError):
+                continue  # a frame count we do not speak: drop it
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            try:
+                msg = decode(payload)
+            except ProtocolError as exc:
+                log.warning("side channel %s: %s", self.endpoint, exc)
+                continue
+            try:
+                if isinstance(msg, LayoutRequest):
+                    reply = LayoutReply(msg.nonce, self._layout())
+                    self._sock.send_multipart([identity, encode(reply)])
+                elif isinstance(msg, Done):
+                    self._on_done(msg)
+                elif isinstance(msg, PushTarget) and self._on_push_target is not None:
+                    self._on_push_target(msg)
+                elif isinstance(msg, PushDone) and self._on_push_done is not None:
+                    self._on_push_done(msg)
+            except Exception:  # one bad exchange must not end the side channel
+                log.exception("side channel %s: cannot handle %r", self.endpoint, msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+
+
+class SideChannelClient:
+    """DEALER sockets to peers' side channels; use one instance per thread (zmq rule)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self._nonce = itertools.count(1)
+
+    def _sock(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            if endpoint.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def fetch_layout(self, endpoint: str) -> WorkerLayout:
+        """Ask ``endpoint`` for its layout; TransferTimeout when it does not answer in time."""
+        sock = self._sock(endpoint)
+        nonce = next(self._nonce)
+        deadline = time.monotonic() + self.timeout
+        try:
+            sock.send(encode(LayoutRequest(nonce)), zmq.NOBLOCK)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    break
+                msg = decode(sock.recv(zmq.NOBLOCK))
+                if isinstance(msg, LayoutReply) and msg.nonce == nonce:
+                    return msg.layout
+        except zmq.ZMQError as exc:
+            self._drop(endpoint)
+            raise TransportBroken(f"side channel {endpoint}: {exc}", peer=endpoint) from exc
+        # A dead or stuck peer: forget the socket so queued requests do not pile up on it.
+        self._drop(endpoint)
+        raise TransferTimeout(
+            f"side channel {endpoint} did not answer within {self.timeout}s", peer=endpoint
+        )
+
+    def notify_done(
+        self,
+        endpoint: str,
+        engine_id: str,
+        request_ids: list[str],
+        reader: int = 0,
+        readers: int = 1,
+    ) -> None:
+        """Best effort: the peer also frees the blocks when its lease runs out."""
+        self.send(endpoint, Done(engine_id, request_ids, reader, readers))
+
+    def send(self, endpoint: str, msg: Message) -> bool:
+        """Queue one message without waiting; False when it could not be (dead peer)."""
+        try:
+            self._sock(endpoint).send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # zmq.Again: the queue to a dead peer is full
+            log.debug("could not send to %s: %s", endpoint, exc)
+            self._drop(endpoint)
+            return False
+        return True
+
+    def close(self) -> None:
+        for endpoint in list(self._socks):
+            self._drop(endpoint)
