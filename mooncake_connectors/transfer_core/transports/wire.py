@@ -102,16 +102,23 @@ def recv_until(sock: socket.socket, buf: memoryview, deadline: float) -> None:
     per-recv timeout (settimeout or SO_RCVTIMEO) so each recv returns in time to check."""
     n = len(buf)
     got = 0
-    while got < n:
-        try:
-            k = sock.recv_into(buf[got:], n - got, socket.MSG_WAITALL)
-        except (BlockingIOError, TimeoutError):
-            k = -1
-        if k == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
-        got += max(k, 0)
-        if got < n and time.monotonic() >= deadline:
-            raise TimeoutError(f"only {got} of {n} bytes arrived within the deadline")
+    per_recv = sock.gettimeout()  # None: blocking, SO_RCVTIMEO bounds each recv
+    try:
+        while got < n:
+            if per_recv is not None:  # never wait past the deadline
+                sock.settimeout(max(0.001, min(per_recv, deadline - time.monotonic())))
+            try:
+                k = sock.recv_into(buf[got:], n - got, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError):
+                k = -1
+            if k == 0:
+                raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+            got += max(k, 0)
+            if got < n and time.monotonic() >= deadline:
+                raise TimeoutError(f"only {got} of {n} bytes arrived within the deadline")
+    finally:
+        if per_recv is not None:
+            sock.settimeout(per_recv)
 
 
 def send_until(sock: socket.socket, bufs: list[memoryview | bytes], deadline: float) -> None:
