@@ -376,6 +376,12 @@ def master(
     promote_hits: Annotated[
         int, typer.Option(help="Reads from SSD before an object is promoted to memory (0: never).")
     ] = 1,
+    key_budget: Annotated[
+        str, typer.Option(help="Bytes of keys and per-key records the master keeps.")
+    ] = "2G",
+    frame_timeout: Annotated[
+        float, typer.Option(help="Seconds a control frame may take to arrive (plus 1 s/MiB).")
+    ] = 10.0,
     auth_token: Annotated[
         str | None,
         typer.Option(
@@ -407,6 +413,8 @@ def master(
         heartbeat_interval=heartbeat_interval,
         server_ttl=server_ttl,
         promote_hits=promote_hits,
+        key_budget=parse_size(key_budget),
+        frame_timeout=frame_timeout,
         auth_token=auth_token,
     )
     m = Master(cfg).start()

@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
@@ -93,6 +94,60 @@ def recv_exact(
         got += k
         if got < n and progress is not None:
             progress()
+
+
+def recv_until(sock: socket.socket, buf: memoryview, deadline: float) -> None:
+    """Fill ``buf`` by ``deadline`` (monotonic), else TimeoutError: a per-recv timeout alone
+    lets a peer trickling one byte at a time hold the connection forever. The socket has a
+    per-recv timeout (settimeout or SO_RCVTIMEO) so each recv returns in time to check."""
+    n = len(buf)
+    got = 0
+    per_recv = sock.gettimeout()  # None: blocking, SO_RCVTIMEO bounds each recv
+    try:
+        while got < n:
+            if per_recv is not None:  # never wait past the deadline
+                sock.settimeout(max(0.001, min(per_recv, deadline - time.monotonic())))
+            try:
+                k = sock.recv_into(buf[got:], n - got, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError):
+                k = -1
+            if k == 0:
+                raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+            got += max(k, 0)
+            if got < n and time.monotonic() >= deadline:
+                raise TimeoutError(f"only {got} of {n} bytes arrived within the deadline")
+    finally:
+        if per_recv is not None:
+            sock.settimeout(per_recv)
+
+
+def send_until(sock: socket.socket, bufs: list[memoryview | bytes], deadline: float) -> None:
+    """``sendmsg_all`` for a socket with SO_SNDTIMEO: TimeoutError at ``deadline`` when the
+    peer stops reading."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        try:
+            sent = sock.sendmsg(bufs[:1024])
+        except (BlockingIOError, TimeoutError):
+            sent = 0
+        while sent:
+            first = bufs[0]
+            if sent >= len(first):
+                sent -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = memoryview(first)[sent:]
+                sent = 0
+        if bufs and time.monotonic() >= deadline:
+            raise TimeoutError("the peer did not read the answer within the deadline")
+
+
+def set_io_tick(sock: socket.socket, seconds: float) -> None:
+    """Kernel-side timeouts on a blocking socket: each recv/send returns within ``seconds``
+    (with what it has, or EAGAIN), with no poll() per call as ``settimeout`` would add."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def sendmsg_all(
