@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from .config import DEFAULT_TRANSPORTS
+
 app = typer.Typer(
     name="mooncake-connectors",
     help="Mooncake's KV-cache transfer engine, store and scheduler as engine plugins.",
@@ -75,6 +77,7 @@ Rounds = Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")
 MaxTokens = Annotated[int, typer.Option(min=1, help="Tokens generated per request.")]
 Layers = Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")]
 KvHeads = Annotated[int, typer.Option(min=1, help="KV heads of the locally built model.")]
+_DEFAULT_TRANSPORTS = ",".join(DEFAULT_TRANSPORTS)
 OurTransports = Annotated[
     str, typer.Option(help="Our connector's transports, in preference order.")
 ]
@@ -606,7 +609,7 @@ def bench_vllm_pd(
     layers: Layers = 4,
     kv_heads: KvHeads = 4,
     work_dir: WorkDir = None,
-    transports: OurTransports = "shm,tcp",
+    transports: OurTransports = _DEFAULT_TRANSPORTS,
     push: Annotated[
         bool, typer.Option(help="Also run ours with layer-wise push (both legs at once).")
     ] = True,
@@ -648,7 +651,7 @@ def bench_vllm_store(
     ours_async: Annotated[
         bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
     ] = False,
-    transports: OurTransports = "shm,tcp",
+    transports: OurTransports = _DEFAULT_TRANSPORTS,
     layers: Layers = 4,
     kv_heads: KvHeads = 4,
     memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
