@@ -76,6 +76,7 @@ class Fetcher:
         grant_timeout: float = 2.0,
         refresh: float = 0.5,
         seed: int | None = None,
+        share: bool = True,
         on_progress: Callable[[FetchStats], None] | None = None,
     ) -> None:
         self.engine = engine
@@ -89,6 +90,7 @@ class Fetcher:
         self.refresh = refresh
         self.rng = random.Random(seed)
         self.on_progress = on_progress
+        self.share = share
         self.peers: dict[str, PeerView] = {}
         self.stats = FetchStats(
             manifest.name, manifest.version, len(manifest.chunks), manifest.total_size
@@ -116,7 +118,7 @@ class Fetcher:
         t0 = time.monotonic()
         deadline = t0 + timeout
         needed = {i for i in range(len(self.m.chunks)) if not have[i // 8] >> (i % 8) & 1}
-        self.served = served = self.holder.add(self.m, self.regions, have)
+        self.served = served = self.holder.add(self.m, self.regions, have, share=self.share)
         inflight: dict[cf.Future[_Outcome], tuple[int, str]] = {}
         next_look = 0.0
         self._report()

@@ -92,7 +92,8 @@ class Holder:
         self.catalog = catalog
         self.lease = lease
         self.token = engine.config.auth_token
-        self.bucket = TokenBucket(rate, burst=4 << 20) if rate else None
+        # A tenth of a second of credit: enough that the first grant never waits.
+        self.bucket = TokenBucket(rate, burst=rate / 10) if rate else None
         self.ledger = ServeLedger(serve_cap)
         self.objects: dict[tuple[str, int], Served] = {}
         self.granted_bytes = 0
@@ -117,11 +118,20 @@ class Holder:
             t.start()
 
     # -- objects ----------------------------------------------------------------------------
-    def add(self, manifest: Manifest, regions: list[Region | None], have: bytearray) -> Served:
+    def add(
+        self,
+        manifest: Manifest,
+        regions: list[Region | None],
+        have: bytearray,
+        *,
+        share: bool = True,
+    ) -> Served:
+        """Hold ``manifest``'s chunks marked in ``have``; ``share=False`` holds without serving."""
         s = Served(manifest, regions, have, f"{manifest.name}-{self._tag}")
-        with self._lock:
-            self.objects[(manifest.name, manifest.version)] = s
-        self._announce(s)
+        if share:
+            with self._lock:
+                self.objects[(manifest.name, manifest.version)] = s
+            self._announce(s)
         return s
 
     def mark(self, s: Served, chunk: int) -> None:

@@ -142,12 +142,15 @@ class P2PStore:
         k: int = 4,
         parallel: int = 8,
         timeout: float = 600.0,
+        share: bool = True,
         on_progress: Callable[[FetchStats], None] | None = None,
     ) -> FetchStats:
         """Fetch ``name`` (its current version unless pinned) into a directory or buffers.
 
         A directory keeps what a killed fetch left: those chunks are re-verified, not refetched.
-        The fetched object stays served from this process until :meth:`close`.
+        The fetched object stays served from this process until :meth:`close` (with
+        ``share=False`` it is never served: each chunk comes from the holders alone, the way a
+        plain download would, which is what the benchmark compares against).
         """
         if k < 1 or parallel < 1:
             raise ConfigError("k and parallel must be at least 1", field="k")
@@ -187,6 +190,7 @@ class P2PStore:
             regions,
             k=k,
             parallel=parallel,
+            share=share,
             on_progress=on_progress,
         )
         have = fetcher.verify_existing() if into_dir else bitmap(len(m.chunks))
