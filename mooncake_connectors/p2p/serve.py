@@ -125,9 +125,10 @@ class Holder:
         have: bytearray,
         *,
         share: bool = True,
+        complete: bool = False,
     ) -> Served:
         """Hold ``manifest``'s chunks marked in ``have``; ``share=False`` holds without serving."""
-        s = Served(manifest, regions, have, f"{manifest.name}-{self._tag}")
+        s = Served(manifest, regions, have, f"{manifest.name}-{self._tag}", complete)
         if share:
             with self._lock:
                 self.objects[(manifest.name, manifest.version)] = s

@@ -128,8 +128,7 @@ class P2PStore:
         for i in range(len(m.chunks)):
             have[i // 8] |= 1 << (i % 8)
         self.catalog.put_manifest(m)
-        served = self.holder.add(m, regions, have)
-        self.holder.finish(served)
+        self.holder.add(m, regions, have, complete=True)
         return m
 
     # -- fetch ------------------------------------------------------------------------------
