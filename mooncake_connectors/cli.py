@@ -810,6 +810,29 @@ def bench_sglang(
     typer.echo(text)
 
 
+@bench_app.command("p2p")
+def bench_p2p(
+    ns: Annotated[str, typer.Option(help="Fetcher counts, comma-separated.")] = "2,4,8",
+    size: Annotated[str, typer.Option(help="Object size.")] = "64M",
+    rate: Annotated[str, typer.Option(help="Egress cap of every holder, bytes/s.")] = "32M",
+    chunk: Annotated[str, typer.Option(help="Chunk size.")] = "1M",
+    k: Annotated[int, typer.Option(min=1, help="Requests in flight per holder.")] = 4,
+    rounds: Annotated[int, typer.Option(min=1, max=20, help="Runs per case (best kept).")] = 1,
+    output: Output = None,
+) -> None:
+    """Time to distribute SIZE bytes to N fetchers: the swarm against N downloads from one."""
+    from .bench.p2p import run_p2p_benchmark
+    from .store.config import parse_size
+
+    counts = [int(x) for x in _csv(ns)]
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter("give positive counts, e.g. 2,4,8", param_hint="--ns")
+    result = run_p2p_benchmark(
+        counts, parse_size(size), parse_size(rate), parse_size(chunk), k=k, rounds=rounds
+    )
+    _emit(result, output)
+
+
 p2p_app = typer.Typer(
     help="P2P store: swarm distribution of checkpoints and weights.", no_args_is_help=True
 )
