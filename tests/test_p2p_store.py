@@ -271,3 +271,25 @@ def test_safetensors_checkpoint(tmp_path: Path, cfg: EngineConfig, nodes: list[P
     bad.unlink()
     with pytest.raises(P2PError, match="not here"):
         check_checkpoint(tmp_path / "model")
+
+
+def test_grants_need_the_token(tmp_path: Path, nodes: list[P2PStore]) -> None:
+    from mooncake_connectors.p2p.serve import Grant, GrantClient, Have
+
+    cfg = EngineConfig(metadata=f"memory://p2p-{uuid.uuid4().hex}", auth_token="p2p-secret-1")
+    src = tree(tmp_path / "src")
+    pub = node(nodes, cfg)
+    pub.publish("t", src, chunk_size=CHUNK)
+    assert node(nodes, cfg).fetch("t", tmp_path / "d").fetched == 7
+    ep = pub.holder.endpoint
+    wrong, none, right = (GrantClient(t, 5.0) for t in ("not-the-token", None, "p2p-secret-1"))
+    try:
+        assert wrong.ask(ep, Grant("t", 1, 0, "x")).status == "refused"  # type: ignore[union-attr]
+        assert none.ask(ep, Have("t", 1)).status == "refused"  # type: ignore[union-attr]
+        ok = right.ask(ep, Grant("t", 1, 0, "x"))
+        assert ok is not None and ok.status == "ok" and ok.length == CHUNK
+        assert right.ask(ep, Grant("t", 1, 99, "x")).status == "missing"  # type: ignore[union-attr]
+        assert right.ask(ep, Grant("t", 2, 0, "x")).status == "missing"  # type: ignore[union-attr]
+    finally:
+        for c in (wrong, none, right):
+            c.close()
