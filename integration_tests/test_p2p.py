@@ -7,6 +7,7 @@ namespaces, where engines speak tcp between "machines"."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -221,3 +222,26 @@ def test_swarm_across_network_namespaces(tmp_path: Path) -> None:
                 assert identical(src, tmp_path / h)
         finally:
             server.stop()
+
+
+def test_command_line_ls_unpublish_and_unknown_names(swarm: Swarm, tmp_path: Path) -> None:
+    src = checkpoint(tmp_path / "src", mib=1)
+    swarm.publish(src, "cli")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, *args, "--metadata", swarm.url, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=WAIT,
+            check=False,
+        )
+
+    listing = json.loads(cli("ls").stdout)
+    assert [(r["name"], r["version"], r["holders"]) for r in listing] == [("cli", 1, 1)]
+    gone = json.loads(cli("unpublish", "cli").stdout)
+    assert gone["keys_removed"] >= 3  # current, v/1, the publisher's record
+    miss = cli("fetch", "cli", str(tmp_path / "d"))
+    assert miss.returncode == 1 and "nothing is published as 'cli'" in miss.stderr
+    bad = cli("fetch", "no/such", str(tmp_path / "d"))
+    assert bad.returncode == 1 and "object name" in bad.stderr

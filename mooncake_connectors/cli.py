@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -881,6 +881,23 @@ def _p2p_store(
     )
 
 
+def _p2p_errors(fn: Callable[..., None]) -> Callable[..., None]:
+    """The package's errors as one line and exit status 1, not a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        from .errors import MooncakeConnectorsError
+
+        try:
+            fn(*args, **kwargs)
+        except MooncakeConnectorsError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
+
+    return run
+
+
 def _serve_until_stopped() -> None:
     import signal
     import threading
@@ -893,6 +910,7 @@ def _serve_until_stopped() -> None:
 
 
 @p2p_app.command("publish")
+@_p2p_errors
 def p2p_publish(
     paths: Annotated[list[str], typer.Argument(help="Files or directories to publish.")],
     name: Annotated[str, typer.Option("--name", help="Name fetchers ask for.")],
@@ -934,6 +952,7 @@ def p2p_publish(
 
 
 @p2p_app.command("fetch")
+@_p2p_errors
 def p2p_fetch(
     name: Annotated[str, typer.Argument(help="Published name.")],
     dest: Annotated[str, typer.Argument(help="Directory to fetch into (resumes what is there).")],
@@ -1010,6 +1029,7 @@ def p2p_fetch(
 
 
 @p2p_app.command("ls")
+@_p2p_errors
 def p2p_ls(
     metadata: Metadata = None,
     host: Host = "127.0.0.1",
@@ -1045,6 +1065,7 @@ def p2p_ls(
 
 
 @p2p_app.command("unpublish")
+@_p2p_errors
 def p2p_unpublish(
     name: Annotated[str, typer.Argument(help="Published name.")],
     metadata: Metadata = None,
