@@ -102,9 +102,12 @@ class Fetcher:
         self._idle = threading.Event()  # never set: a bounded pause while nobody offers chunks
 
     # -- verification of what is already there (resume) --------------------------------------
-    def verify_existing(self) -> bytearray:
+    def verify_existing(self, files: set[int]) -> bytearray:
+        """Hash the chunks of ``files`` (those that were there before): keep each that matches."""
         have = bitmap(len(self.m.chunks))
         for i, ch in enumerate(self.m.chunks):
+            if ch.file not in files:
+                continue  # created empty just now: nothing to find, nothing to hash
             region = self.regions[ch.file]
             assert region is not None
             if digest(region.slice(region.addr + ch.offset, ch.length)) == ch.sha256:

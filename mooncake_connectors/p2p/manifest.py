@@ -19,6 +19,7 @@ from ..errors import ConfigError, MooncakeConnectorsError
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 MARKER = ".mooncake-p2p.json"  # a fetch's own bookkeeping in its destination; never published
+OWN_PREFIX = ".mooncake-p2p"  # the marker, its temp file, the vLLM loader's lock: never published
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -137,7 +138,7 @@ def list_files(sources: Iterable[str | os.PathLike[str]]) -> list[tuple[str, Pat
         p = Path(src)
         if p.is_dir():
             for f in sorted(p.rglob("*")):
-                if f.is_file() and f.name != MARKER:
+                if f.is_file() and not f.name.startswith(OWN_PREFIX):
                     out.setdefault(f.relative_to(p).as_posix(), f)
         elif p.is_file():
             out.setdefault(p.name, p)

@@ -155,14 +155,18 @@ class P2PStore:
             raise ConfigError("k and parallel must be at least 1", field="k")
         m = self.catalog.manifest(name, version)
         into_dir = not isinstance(dest, Mapping)
+        existed: set[int] = set()  # files a killed fetch (or anyone) left: verified, not refetched
         if into_dir:
             assert not isinstance(dest, Mapping)
             root = Path(dest)
             root.mkdir(parents=True, exist_ok=True)
             _write_marker(root, _Marker(m.name, m.version, False))
-            regions: list[Region | None] = [
-                self._prepare(root / safe_relpath(f.path), f.size) for f in m.files
-            ]
+            regions: list[Region | None] = []
+            for i, f in enumerate(m.files):
+                path = root / safe_relpath(f.path)
+                if path.is_file() and path.stat().st_size > 0:
+                    existed.add(i)
+                regions.append(self._prepare(path, f.size))
         else:
             assert isinstance(dest, Mapping)
             regions = []
@@ -192,7 +196,7 @@ class P2PStore:
             share=share,
             on_progress=on_progress,
         )
-        have = fetcher.verify_existing() if into_dir else bitmap(len(m.chunks))
+        have = fetcher.verify_existing(existed) if into_dir else bitmap(len(m.chunks))
         stats = fetcher.run(have, timeout)
         if into_dir:
             for r in regions:
