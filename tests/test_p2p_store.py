@@ -293,3 +293,43 @@ def test_grants_need_the_token(tmp_path: Path, nodes: list[P2PStore]) -> None:
     finally:
         for c in (wrong, none, right):
             c.close()
+
+
+def test_grant_server_survives_garbage(
+    tmp_path: Path, cfg: EngineConfig, nodes: list[P2PStore]
+) -> None:
+    import zmq
+
+    from mooncake_connectors.p2p.serve import Grant, GrantClient
+
+    pub = node(nodes, cfg)
+    pub.publish("g", tree(tmp_path / "src"), chunk_size=CHUNK)
+    ep = pub.holder.endpoint
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{ep}")
+    try:
+        raw.send_multipart([b"", b"", b"\xc1\xff not msgpack"])  # a REQ envelope, bad body
+        assert raw.poll(5000) and b"refused" in raw.recv_multipart()[-1]
+        raw.send_multipart([b"no envelope"])  # not a REQ frame: dropped, nothing to answer
+        raw.send_multipart([b"", b"", os.urandom(1 << 16)])
+        assert raw.poll(5000) and b"refused" in raw.recv_multipart()[-1]
+    finally:
+        raw.close(linger=0)
+    ok = GrantClient(None, 5.0)
+    try:
+        got = ok.ask(ep, Grant("g", 1, 0, "x"))
+        assert got is not None and got.status == "ok"
+    finally:
+        ok.close()
+
+
+def test_torch_state_dict_round_trip(cfg: EngineConfig, nodes: list[P2PStore]) -> None:
+    torch = pytest.importorskip("torch")
+    sd = {"emb": torch.randn(300, 64), "norm": torch.ones(64, dtype=torch.bfloat16)}
+    m = node(nodes, cfg).publish("t", sd, chunk_size=CHUNK)
+    assert {f.path: f.dtype for f in m.files} == {"emb": "torch.float32", "norm": "torch.bfloat16"}
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    node(nodes, cfg).fetch("t", out)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)

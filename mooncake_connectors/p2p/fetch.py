@@ -255,8 +255,9 @@ class Fetcher:
         ch = self.m.chunks[chunk]
         if ans.status != "ok":
             return _Outcome(chunk, p.holder, ans.status, ans.have, ans.wait)
-        if ans.length != ch.length:
-            return _Outcome(chunk, p.holder, "refused", error="granted a wrong length")
+        if ans.length != ch.length or ans.segment != p.segment:
+            # A grant elsewhere would spend a third party's egress outside its own grants.
+            return _Outcome(chunk, p.holder, "refused", error="granted a wrong length or segment")
         region = self.regions[ch.file]
         assert region is not None
         local = region.addr + ch.offset
