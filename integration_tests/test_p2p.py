@@ -139,14 +139,16 @@ def test_publisher_killed_once_every_chunk_has_a_second_holder(
 
 def test_corrupt_holder_detected_and_bypassed(swarm: Swarm, tmp_path: Path) -> None:
     src = checkpoint(tmp_path / "src", mib=2)
-    swarm.publish(src, "bad")
+    _, info = swarm.publish(src, "bad")
     liar = swarm.fetch("bad", "liar")
     wait_result(liar)
-    for f in (tmp_path / "liar").glob("*.safetensors"):  # it now serves wrong bytes
+    for f in (tmp_path / "liar").glob("*.*"):  # every file: it now serves only wrong bytes
         f.write_bytes(bytes(f.stat().st_size))
     # One request in flight per holder: the first round asks both holders, so the liar is asked.
     good = wait_result(swarm.fetch("bad", "good", "--k", "1", "--parallel", "2"))
     assert good["corrupt"] >= 1
+    assert sum(good["from_holder"].values()) == info["total_size"]  # all of it from the publisher
+    assert len(good["from_holder"]) == 1
     assert identical(src, tmp_path / "good")
 
 
