@@ -18,6 +18,7 @@ A DmaBufMR is registered at its iova and its bytes are read there as host memory
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -77,6 +78,7 @@ _devices: dict[str, Device] = {}
 _locked_bytes = 0
 _keys = itertools.count(0x1000)
 _qpns = itertools.count(0x100)
+_generations = itertools.count()
 
 
 def _env_devices() -> dict[str, Device]:
@@ -123,7 +125,8 @@ class Device:
         self.name = name
         self.port_state = state
         self.lid = (pid * 8 + index + 1) & 0xFFFF
-        self.gid = f"fe80:0000:0000:0000:{pid >> 16:04x}:{pid & 0xFFFF:04x}:0000:{index:04x}"
+        gen = next(_generations)  # a device made after configure() is a new NIC
+        self.gid = f"fe80:0000:0000:{gen:04x}:{pid >> 16:04x}:{pid & 0xFFFF:04x}:0000:{index:04x}"
         self.mrs: dict[int, MR] = {}  # rkey -> MR
         self.lkeys: dict[int, MR] = {}
         self.qps: dict[int, QP] = {}
@@ -147,6 +150,8 @@ class Device:
         """The device is gone: every verb on it fails, nothing it held completes."""
         self.vanished = True
         if self.responder is not None:
+            with contextlib.suppress(OSError):  # wakes the accepting thread
+                self.responder.shutdown(socket.SHUT_RDWR)
             self.responder.close()
 
     def check(self) -> None:

@@ -167,6 +167,7 @@ class Rail:
         self.queue: collections.deque[WR] = collections.deque()
         self.queued_bytes = 0  # posted or waiting
         self.bw = initial_bw  # bytes/s, measured
+        self.measured = False
         self.busy_since = 0.0
         self.posts = 0
         self.carried = 0  # requests completed on this rail (for tests and stats)
@@ -280,7 +281,9 @@ class Rail:
             if moved and now > self.busy_since:
                 # One sample per batch of completions: bytes over the time the rail was busy.
                 sample = moved / (now - self.busy_since)
-                self.bw = 0.7 * self.bw + 0.3 * sample
+                # The first measurement replaces the guess the rail started with.
+                self.bw = sample if not self.measured else 0.7 * self.bw + 0.3 * sample
+                self.measured = True
                 self.busy_since = now
             self.carried += len(ok)
             failed = self._pump() if bad is None and self.state == READY else None

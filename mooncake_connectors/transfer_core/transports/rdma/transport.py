@@ -341,6 +341,20 @@ class RdmaTransport(Transport, RailOwner):
         for r in p.rails if p is not None else []:
             r.broke(TransportBroken("aborted after a missed deadline", peer=peer_name), cool=False)
 
+    def rail_stats(self, peer_name: str) -> dict[str, dict[str, float]]:
+        """Per rail to ``peer_name`` ("LOCAL>REMOTE"): requests carried, measured bytes/s,
+        and whether it is cooling down."""
+        p = self._peers.get(peer_name)
+        now = time.monotonic()
+        return {
+            f"{r.nic.nic.name}>{r.remote_nic}": {
+                "carried": float(r.carried),
+                "bw": r.bw,
+                "cooling": float(not self.health.usable(r.key, now)),
+            }
+            for r in (p.rails if p is not None else [])
+        }
+
     # -- target side of the connect exchange ------------------------------------------------
     def _on_connect(self, payload: bytes, who: str) -> bytes:
         req = control.decode_request(payload)
