@@ -266,6 +266,7 @@ class RdmaTransport(Transport, RailOwner):
         now = time.monotonic()
         by_rail: dict[int, tuple[Rail, list[WR]]] = {}
         extra: dict[int, int] = {}
+        works: list[Work] = []
         for s in slices:
             s.path = "rdma"
             try:
@@ -273,6 +274,8 @@ class RdmaTransport(Transport, RailOwner):
             except MooncakeConnectorsError as exc:
                 s.complete(exc)
                 continue
+            if wrs:
+                works.append(wrs[0].work)
             for wr in wrs:
                 rail = self._pick(wr, p.rails, now, extra)
                 if rail is None:
@@ -282,6 +285,22 @@ class RdmaTransport(Transport, RailOwner):
                 extra[rail.id] = extra.get(rail.id, 0) + wr.length
         for rail, wrs in by_rail.values():
             rail.enqueue(wrs)
+        if inline_ok and by_rail:
+            self._wait_inline(works, {r.nic for r, _ in by_rail.values()})
+
+    def _wait_inline(self, works: list[Work], nics: set[NicState]) -> None:
+        """The caller waits anyway: poll its NICs from its thread (no hand-off to the poller
+        and back), until its slices are done or their deadline passes."""
+        deadline = min(w.slice.deadline for w in works)
+        spins = 0
+        while time.monotonic() < deadline and not self._closed:
+            if all(w.done for w in works):
+                return
+            if any([state.poll_once() for state in nics]):
+                spins = 0
+                continue
+            spins += 1
+            time.sleep(0 if spins < 64 else 0.0002)
 
     def _cut(self, s: Slice, size: int, peer: _Peer) -> list[WR]:
         region, name = s.region, peer.desc.name
