@@ -285,3 +285,35 @@ def test_low_memlock_limit_is_a_clear_error() -> None:
     )
     assert r.returncode == 3, r.stderr
     assert "ulimit -l" in r.stdout
+
+
+def test_the_control_listener_refuses_data_and_garbage(link: Any) -> None:
+    from mooncake_connectors.transfer_core.transports import wire
+    from mooncake_connectors.transfer_core.transports.tcp import open_connection
+
+    e, p, addr, _ = link
+    t = _rdma(e)
+    endpoint = e.peer(p.segment).endpoints["rdma"]
+    deadline = time.monotonic() + 10
+
+    def ask(op: int, payload: bytes, length: int | None = None) -> tuple[int, bytes]:
+        sock = open_connection(t.ctx, p.segment, endpoint, "test", deadline)
+        try:
+            n = len(payload) if length is None else length
+            wire.send_until(sock, [wire.REQ.pack(wire.REQ_MAGIC, op, 0, 0, 1, addr, n) + payload],
+                            deadline)  # fmt: skip
+            hdr = bytearray(wire.RESP.size)
+            wire.recv_until(sock, memoryview(hdr), deadline)
+            _, status, _, _, _, k = wire.RESP.unpack(hdr)
+            body = bytearray(k)
+            wire.recv_until(sock, memoryview(body), deadline)
+            return status, bytes(body)
+        finally:
+            sock.close()
+
+    assert ask(wire.OP_READ, b"", 16)[0] == wire.ST_PROTOCOL  # no data on this listener
+    status, why = ask(wire.OP_CONTROL, b"\xc1garbage")
+    assert status == wire.ST_PROTOCOL and b"connect request" in why
+    status, _ = ask(wire.OP_CONTROL, b"", wire.MAX_CONTROL + 1)
+    assert status == wire.ST_PROTOCOL
+    _roundtrip(e, p, addr, link[3], 1 << 16, 9)  # the peer still serves
