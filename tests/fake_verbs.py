@@ -137,6 +137,7 @@ class Device:
         self.latency = 0.0
         self.failures: collections.deque[int] = collections.deque()
         self.completed = 0  # work requests this device finished, in any way
+        self.in_flight = 0  # work requests a QP worker has taken up and not finished
         self.responder: socket.socket | None = None
 
     # -- faults -----------------------------------------------------------------------------
@@ -502,6 +503,8 @@ class QP:
                         self.conn.close()
                     return
                 wr = self.sq[0]
+                with self.dev.lock:
+                    self.dev.in_flight += 1
             if self.dev.vanished:
                 return  # a dead device completes nothing
             if self.dev.latency:
@@ -510,6 +513,8 @@ class QP:
             with self.cv:
                 if self.sq and self.sq[0] is wr:
                     self.sq.popleft()
+            with self.dev.lock:
+                self.dev.in_flight -= 1
             if status not in (0, e.IBV_WC_WR_FLUSH_ERR):
                 self._set_state(e.IBV_QPS_ERR)
             if not self.dev.vanished and not self.closed:

@@ -317,3 +317,48 @@ def test_the_control_listener_refuses_data_and_garbage(link: Any) -> None:
     status, _ = ask(wire.OP_CONTROL, b"", wire.MAX_CONTROL + 1)
     assert status == wire.ST_PROTOCOL
     _roundtrip(e, p, addr, link[3], 1 << 16, 9)  # the peer still serves
+
+
+def test_a_rail_owing_completions_past_its_timeout_is_failed(peer: tuple[Peer, str, int]) -> None:
+    fake_verbs.configure(",".join(NICS))
+    p, url, addr = peer
+    e = _engine(url, rail_timeout=0.2)
+    try:
+        buf = np.zeros(1 << 20, dtype=np.uint8)
+        e.register(buf)
+        _roundtrip(e, p, addr, buf, 1 << 20, 1)
+        fake_verbs.device("mlx5_0").latency = 1.0  # each request there takes longer than 0.2 s
+        _roundtrip(e, p, addr, buf, 1 << 20, 2)
+        stats = _rdma(e).rail_stats(p.segment)
+        assert any(v["cooling"] for k, v in stats.items() if k.startswith("mlx5_0>")), stats
+    finally:
+        e.close()
+
+
+def test_a_missed_deadline_lands_no_late_bytes(peer: tuple[Peer, str, int]) -> None:
+    from helpers import wait_until
+
+    from mooncake_connectors.errors import TransferTimeout
+
+    fake_verbs.configure(",".join(NICS))
+    p, url, _ = peer
+    target = p.call("alloc", kind="numpy", size=1 << 20, seed=8)["addr"]
+    before = p.call("digest", addr=target, length=1 << 20)["sha"]
+    e = _engine(url, rail_timeout=30.0)
+    try:
+        buf = np.full(1 << 20, 0xAB, dtype=np.uint8)
+        e.register(buf)
+        e.read(p.segment, int(buf.ctypes.data), target, 4096)  # rails connected
+        for n in NICS:
+            fake_verbs.device(n).latency = 0.5  # every request outlasts the deadline below
+        with pytest.raises(TransferTimeout):
+            e.write(p.segment, int(buf.ctypes.data), target, 1 << 20, timeout=0.3)
+        # what the NICs had taken up finishes after the deadline: flushed, not written
+        wait_until(
+            lambda: not any(fake_verbs.device(n).in_flight for n in NICS),
+            20,
+            "the emulated NICs to finish the requests they had taken up",
+        )
+        assert p.call("digest", addr=target, length=1 << 20)["sha"] == before
+    finally:
+        e.close()

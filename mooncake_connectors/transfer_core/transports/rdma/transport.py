@@ -286,12 +286,14 @@ class RdmaTransport(Transport, RailOwner):
         for rail, wrs in by_rail.values():
             rail.enqueue(wrs)
         if inline_ok and by_rail:
-            self._wait_inline(works, {r.nic for r, _ in by_rail.values()})
+            self._wait_inline(works, [r for r, _ in by_rail.values()])
 
-    def _wait_inline(self, works: list[Work], nics: set[NicState]) -> None:
+    def _wait_inline(self, works: list[Work], rails: list[Rail]) -> None:
         """The caller waits anyway: poll its NICs from its thread (no hand-off to the poller
-        and back), until its slices are done or their deadline passes."""
+        and back), until its slices are done or their deadline passes. The engine does not
+        watch such slices, so at the deadline their rails are taken down here: no late bytes."""
         deadline = min(w.slice.deadline for w in works)
+        nics = {r.nic for r in rails}
         spins = 0
         while time.monotonic() < deadline and not self._closed:
             if all(w.done for w in works):
@@ -301,6 +303,10 @@ class RdmaTransport(Transport, RailOwner):
                 continue
             spins += 1
             time.sleep(0 if spins < 64 else 0.0002)
+        if not all(w.done for w in works):
+            for r in {r.id: r for w in works for r in w.peer.rails}.values():
+                if any(wr.work in works for wr in [*r.outstanding, *r.queue]):
+                    r.broke(TransportBroken("deadline passed", path=r.path), cool=False)
 
     def _cut(self, s: Slice, size: int, peer: _Peer) -> list[WR]:
         region, name = s.region, peer.desc.name
