@@ -124,7 +124,11 @@ class Registry:
                     raise
             else:
                 mr.fds.append(fd)
-                return nic.reg_dmabuf_mr(fd, offset, region.length, region.addr, access)
+                try:
+                    return nic.reg_dmabuf_mr(fd, offset, region.length, region.addr, access)
+                except ConfigError:
+                    if self.gpu_mr == "dmabuf":
+                        raise
         return nic.reg_mr(region.addr, region.length, access)
 
     def dropped(self, live: set[tuple[int, int]]) -> list[LocalMr]:
