@@ -362,3 +362,20 @@ def test_a_missed_deadline_lands_no_late_bytes(peer: tuple[Peer, str, int]) -> N
         assert p.call("digest", addr=target, length=1 << 20)["sha"] == before
     finally:
         e.close()
+
+
+def test_rdma_beside_tcp_on_a_fixed_port(peer: tuple[Peer, str, int]) -> None:
+    from helpers import free_port
+
+    fake_verbs.configure(",".join(NICS))
+    port = free_port()
+    cfg = EngineConfig(
+        metadata=peer[1],
+        port=port,
+        transports=("rdma", "tcp"),
+        transport_settings={"rdma": FAKE},
+    )
+    with TransferEngine(cfg) as e:
+        desc = e.peer(e.segment_name)
+        assert desc.endpoints["tcp"].endswith(f":{port}")
+        assert not desc.endpoints["rdma"].endswith(f":{port}")  # its own listener

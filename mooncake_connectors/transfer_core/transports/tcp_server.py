@@ -51,13 +51,14 @@ class TcpServer:
 
     ``control`` answers OP_CONTROL messages (payload in, reply out; a MooncakeConnectorsError
     is sent back as a protocol error); with ``data=False`` READ/WRITE are refused, for a
-    listener that carries another transport's control exchange only."""
+    listener that carries another transport's control exchange only (on its own ``port``)."""
 
     def __init__(
         self,
         ctx: TransportContext,
         control: Callable[[bytes, str], bytes] | None = None,
         data: bool = True,
+        port: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.control = control
@@ -66,7 +67,7 @@ class TcpServer:
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((cfg.host, cfg.port))
+        self.sock.bind((cfg.host, cfg.port if port is None else port))
         self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
         self.conns: set[socket.socket] = set()

@@ -143,7 +143,7 @@ class RdmaTransport(Transport, RailOwner):
             state.thread.start()
         self.registry = Registry(opened, st.gpu_mr)
         self.topology = Topology.read(st.sysfs)
-        self._server = TcpServer(self.ctx, control=self._on_connect, data=False)
+        self._server = TcpServer(self.ctx, control=self._on_connect, data=False, port=0)
         host = self.ctx.config.host
         host = f"[{host}]" if ":" in host else host
         return {"rdma": f"{host}:{self._server.port}"}
