@@ -499,23 +499,39 @@ def bench_transfer(
     mooncake: Annotated[
         bool, typer.Option(help="Also run Mooncake's TCP engine when its wheel is installed.")
     ] = True,
+    rdma_verbs: Annotated[
+        str, typer.Option(help="rdma: the verbs module (pyverbs; fake_verbs for the test fake).")
+    ] = "pyverbs",
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
-    """Target and initiator in two processes on loopback; GB/s per op, size and transport."""
+    """Target and initiator in two processes on loopback; GB/s per op, size and transport.
+    rdma is measured apart, in µs per rdma slice against its verbs' own floor."""
     _setup_logging(verbose)
-    from .bench.transfer import run_transfer_benchmark
+    from .bench.transfer import parse_size, run_transfer_benchmark
 
-    with _progress("bench transfer") as advance:
-        result = run_transfer_benchmark(
-            transports=[t.strip() for t in transports.split(",") if t.strip()],
-            rounds=rounds,
-            sizes=sizes,
-            batch=batch,
-            with_mooncake=mooncake,
-            progress=advance,
-        )
-    _emit(result, output)
+    names = [t.strip() for t in transports.split(",") if t.strip()]
+    result: dict[str, object] = {}
+    if "rdma" in names:
+        from .bench.rdma import run_rdma_overhead
+
+        names.remove("rdma")
+        with _progress("bench transfer (rdma)") as advance:
+            result["rdma"] = run_rdma_overhead(
+                rdma_verbs, [parse_size(s) for s in sizes.split(",") if s.strip()], rounds,
+                progress=advance,
+            )  # fmt: skip
+    if names:
+        with _progress("bench transfer") as advance:
+            result["transfer"] = run_transfer_benchmark(
+                transports=names,
+                rounds=rounds,
+                sizes=sizes,
+                batch=batch,
+                with_mooncake=mooncake,
+                progress=advance,
+            )
+    _emit(result.get("transfer", result) if len(result) == 1 else result, output)
 
 
 @bench_app.command("moe")
