@@ -96,7 +96,9 @@ class EngineConfig:
     slice_size: requests larger than this are cut into slices of at most this many bytes.
     auth_token: shared secret; when set every listening port requires challenge/response.
     timeout: default deadline (seconds) of a transfer request.
-    connect_timeout: deadline for establishing one connection.
+    connect_timeout: deadline for establishing one connection (the target's handshake too).
+    frame_timeout: a listener closes a connection whose request (header and payload) does not
+        arrive whole within this many seconds plus its length at 1 MiB/s.
     backoff_initial / backoff_max: cool-down of a failing path, doubled per failure and decayed
         by successes.
     metrics_port: serve Prometheus metrics on host:metrics_port when set.
@@ -116,6 +118,7 @@ class EngineConfig:
     auth_token: str | None = None
     timeout: float = 30.0
     connect_timeout: float = 5.0
+    frame_timeout: float = 10.0
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     metrics_port: int | None = None
@@ -147,7 +150,13 @@ class EngineConfig:
             raise ConfigError(f"slice_size must be in 4 KiB..1 GiB, got {self.slice_size}")
         if self.auth_token is not None and len(self.auth_token) < 8:
             raise ConfigError("auth_token must be at least 8 characters")
-        for name in ("timeout", "connect_timeout", "backoff_initial", "backoff_max"):
+        for name in (
+            "timeout",
+            "connect_timeout",
+            "frame_timeout",
+            "backoff_initial",
+            "backoff_max",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")

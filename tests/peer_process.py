@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import sys
 import traceback
 from typing import Any
@@ -22,6 +23,9 @@ from mooncake_connectors.types import Access
 
 
 def main() -> None:
+    if os.environ.get("PEER_NOFILE"):
+        n = int(os.environ["PEER_NOFILE"])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
     engine: TransferEngine | None = None
     keep: dict[int, Any] = {}
     fake: Any = None
@@ -62,7 +66,7 @@ def main() -> None:
                     addr = int(arr.ctypes.data)
                     keep[addr] = arr
                 reply = {"addr": addr}
-            elif cmd == "free":
+            elif cmd == "unregister":
                 assert engine is not None
                 engine.unregister(msg["addr"])
                 reply = {}

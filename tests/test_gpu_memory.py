@@ -199,7 +199,7 @@ def test_exports_open_once_and_close_when_the_owner_unregisters(ipc: Pair, fake:
         ipc.engine.read(ipc.seg, addr, b, 4096)
     assert sha(arr[:4096]) == ipc.digest(b, 4096)
     assert fake.calls.count("open_export") == 2 and fake.open_imports() == 2
-    ipc.peer.call("free", addr=b)  # a new epoch: the peer's descriptor no longer lists b
+    ipc.peer.call("unregister", addr=b)  # a new epoch: the peer's descriptor no longer lists b
     ipc.engine.read(ipc.seg, addr, a, 4096)
     assert fake.calls.count("close_export") == 1 and fake.open_imports() == 1
     ipc.engine.close()

@@ -26,6 +26,8 @@ from mooncake_connectors.types import TransferOp, TransferStatus
 
 SLICE = 64 * 1024  # small slices so moderate sizes exercise slicing
 SPAN = 8 * 1024 * 1024
+# rdma runs on the test-only fake of the pyverbs objects (tests/fake_verbs.py): no RDMA device here
+SETTINGS: dict[str, dict[str, Any]] = {"rdma": {"verbs": "fake_verbs"}}
 GPU_KINDS = {"memfd": "cuda", "numpy": "cuda_vmm", "readonly": "cuda_readonly"}
 ensure_cuda_ipc_registered()
 
@@ -55,6 +57,7 @@ class Link:
 @pytest.fixture(scope="module", params=TRANSPORTS.names())
 def link(request: pytest.FixtureRequest) -> Iterator[Link]:
     name = request.param
+    settings = {name: SETTINGS[name]} if name in SETTINGS else {}
     # cuda_ipc runs on the fake driver, both here and in the peer, over GPU memory on both ends:
     # "memfd" is then a plain device allocation (IPC handle) and "numpy" a VMM one (fd export).
     gpu = name == "cuda_ipc"
@@ -62,9 +65,20 @@ def link(request: pytest.FixtureRequest) -> Iterator[Link]:
     fake = FakeCuda() if gpu else None
     prev = cuda_driver.install(fake) if gpu else None
     srv = MetadataHTTPServer("127.0.0.1", 0).start()
-    peer = Peer(metadata=srv.url, transports=[name], **({"fake_cuda": True} if gpu else {}))
+    peer = Peer(
+        metadata=srv.url,
+        transports=[name],
+        transport_settings=settings,
+        **({"fake_cuda": True} if gpu else {}),
+    )
     engine = TransferEngine(
-        EngineConfig(metadata=srv.url, transports=(name,), slice_size=SLICE, timeout=20)
+        EngineConfig(
+            metadata=srv.url,
+            transports=(name,),
+            transport_settings=settings,
+            slice_size=SLICE,
+            timeout=20,
+        )
     ).start()
     remote = {
         k: peer.call("alloc", kind=kinds[k], size=SPAN, seed=i)["addr"]

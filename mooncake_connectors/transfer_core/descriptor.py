@@ -83,6 +83,7 @@ class SegmentDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     epoch_memfd: int = -1
     epoch_memfd_inode: int = 0
     rdma_gids: dict[str, str] = {}  # NIC name -> GID, for the rdma transport
+    rdma_lids: dict[str, int] = {}  # NIC name -> LID (InfiniBand; 0 on RoCE)
 
     def find_region(self, addr: int, length: int) -> RegionDesc | None:
         for r in self.regions:
