@@ -203,6 +203,18 @@ class BindingsDriver(CudaDriver):
         check("cuMemAddressFree", cu.cuMemAddressFree(local_base, size))
         check("cuMemRelease", cu.cuMemRelease(mem))
 
+    def dmabuf_export(self, addr: int, length: int) -> tuple[int, int]:
+        cu = self.cu
+        self._any()
+        page = 1 << 16  # the driver exports whole pages: align the range out to 64 KiB
+        base = addr & ~(page - 1)
+        size = -(-(addr + length - base) // page) * page
+        kind = cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+        fd = check(
+            "cuMemGetHandleForAddressRange", cu.cuMemGetHandleForAddressRange(base, size, kind, 0)
+        )
+        return int(fd), addr - base
+
     # -- host memory ------------------------------------------------------------------------
     def host_register(self, addr: int, length: int) -> None:
         self._any()

@@ -87,6 +87,11 @@ class CudaDriver(abc.ABC):
     @abc.abstractmethod
     def close_export(self, export: Export, local_base: int) -> None: ...
 
+    def dmabuf_export(self, addr: int, length: int) -> tuple[int, int]:
+        """A dma-buf fd covering ``[addr, addr + length)`` and ``addr``'s offset in it (for
+        RDMA registration of GPU memory); GpuError where the driver cannot export one."""
+        raise GpuError("this CUDA driver exports no dma-buf", call="cuMemGetHandleForAddressRange")
+
     @abc.abstractmethod
     def host_register(self, addr: int, length: int) -> None:
         """Pin pageable host memory so copies to and from it run asynchronously."""
