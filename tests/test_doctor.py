@@ -85,3 +85,12 @@ def test_cli_text_and_json(fake: FakeCuda) -> None:
     assert out.exit_code == 0, out.output
     areas = {f["area"] for f in json.loads(out.output)}
     assert {"gpu", "rdma", "shm", "numa", "transports"} <= areas
+
+
+def test_doctor_prints_the_rdma_topology_matrix(tmp_path: Path) -> None:
+    from test_rdma_topology import build_sysfs
+
+    build_sysfs(tmp_path / "sys")
+    lines = [f.message for f in doctor.run(root=str(tmp_path)) if f.area == "topology"]
+    assert any("mlx5_0" in line and "ACTIVE" in line for line in lines)
+    assert any(line.startswith("GPU0") and "PIX" in line for line in lines)

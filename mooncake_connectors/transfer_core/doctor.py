@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import GpuError
+from ..errors import ConfigError, GpuError
 from . import cuda_driver
 from .transport import TRANSPORTS
 
@@ -131,18 +131,18 @@ def check_rdma(root: str = "/") -> list[Finding]:
     if not names:
         out.append(Finding("rdma", "fail", "no RDMA device", "attach an RDMA NIC or use tcp"))
         return out
-    try:
-        from pyverbs.device import get_device_list  # type: ignore[import-not-found]
+    from .transports.rdma.verbs import Verbs  # the one module that calls pyverbs
 
-        seen = [d.name.decode() for d in get_device_list()]
-        out.append(Finding("rdma", "ok", f"pyverbs sees {', '.join(seen) or 'nothing'}"))
-    except ImportError:
+    try:
+        seen = Verbs().devices()
+        out.append(Finding("rdma", "ok", f"pyverbs sees {', '.join(seen)}"))
+    except ConfigError as exc:
         out.append(
             Finding(
                 "rdma",
                 "warn",
-                f"devices {', '.join(names)} present but pyverbs is not installed",
-                "install rdma-core's Python bindings (pyverbs)",
+                f"devices {', '.join(names)} present, but the rdma transport cannot open them",
+                str(exc),
             )
         )
     peermem = (r / "sys/module/nvidia_peermem").exists()
@@ -156,6 +156,14 @@ def check_rdma(root: str = "/") -> list[Finding]:
         )
     )
     return out
+
+
+def rdma_topology(root: str = "/") -> list[Finding]:
+    """The RDMA NICs' ports and the NIC/GPU/NUMA distance matrix the rdma transport uses to
+    pick a region's nearest NICs, one finding per line."""
+    from .transports.rdma.topology import doctor_report
+
+    return [Finding("topology", "info", line) for line in doctor_report(str(Path(root) / "sys"))]
 
 
 def check_shm(path: str = "/dev/shm") -> list[Finding]:
@@ -221,6 +229,7 @@ def run(
     findings += check_transports()
     findings += check_gpus()
     findings += check_rdma(root)
+    findings += rdma_topology(root)
     findings += check_shm()
     findings += check_numa(root)
     if metadata and "://" in metadata:
