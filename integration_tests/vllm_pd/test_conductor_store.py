@@ -182,23 +182,25 @@ def test_a_busy_holders_prefix_is_loaded_from_the_store_elsewhere(
         "model": "tiny", "prompt": random_prompt(1502, PROMPT), "max_tokens": 1,
         "temperature": 0.0,
     }, timeout=300)  # fmt: skip
-    busy = [
-        threading.Thread(
-            target=completion, args=(a.url, random_prompt(1600 + i, 40), 1000), daemon=True
-        )
-        for i in range(3)
-    ]
+    errors: list[BaseException] = []
+
+    def occupy(seed: int) -> None:
+        try:  # long answers: A stays busy for as long as they decode
+            completion(a.url, random_prompt(seed, 40), 1900)
+        except BaseException as exc:  # reported by the wait below
+            errors.append(exc)
+
+    busy = [threading.Thread(target=occupy, args=(1600 + i,), daemon=True) for i in range(6)]
     for t in busy:
         t.start()
+
+    def a_busy() -> bool:
+        assert not errors, f"the requests that keep A busy failed: {errors!r}"
+        ld = d.proxy.get("/conductor/stats")["prefill"][a.url]["load"]
+        return ld is not None and ld["running"] + ld["waiting"] >= 2
+
     try:
-        wait_until(
-            lambda: (
-                (ld := d.proxy.get("/conductor/stats")["prefill"][a.url]["load"]) is not None
-                and ld["running"] + ld["waiting"] >= 2
-            ),
-            120,
-            "the proxy to see A busy",
-        )
+        wait_until(a_busy, 120, "the proxy to see A busy")
         hits = {p.url: p.metric(HITS) for p in d.prefill}
         body = {
             "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
@@ -213,7 +215,7 @@ def test_a_busy_holders_prefix_is_loaded_from_the_store_elsewhere(
             answer = json.loads(r.read())
     finally:
         for t in busy:
-            t.join(timeout=300)
+            t.join(timeout=120)
     chosen = headers["x-conductor-prefill"]
     assert chosen != a.url, headers
     assert int(headers["x-conductor-load-blocks"]) > 0, headers
