@@ -16,7 +16,6 @@ with this transport enabled and simply finds nothing reachable through it.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import queue
 import struct
@@ -41,7 +40,7 @@ from ..cuda_driver import CudaDriver, MemoryType
 from ..descriptor import CudaExport, RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
 from .cuda_peers import PeerHandles
-from .shm import _CLOSED_EPOCH, _Mapping
+from .shm import _CLOSED_EPOCH, EpochPage, _Mapping
 
 if TYPE_CHECKING:
     from ..memory import Region
@@ -67,18 +66,14 @@ class CudaIpcTransport(Transport):
             queue.SimpleQueue()
         )
         self._waiter: threading.Thread | None = None
-        self._epoch_fd = -1
-        self._epoch_map: mmap.mmap | None = None
+        self._epoch: EpochPage | None = None
         self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> dict[str, str]:
-        self._epoch_fd = os.memfd_create("mooncake-connectors-cuda-epoch", os.MFD_CLOEXEC)
-        os.ftruncate(self._epoch_fd, mmap.PAGESIZE)
-        self._epoch_map = mmap.mmap(self._epoch_fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        self._epoch = EpochPage("mooncake-connectors-cuda-epoch")
         self.local_changed(self.ctx.local.epoch)
-        inode = os.fstat(self._epoch_fd).st_ino
-        return {"cuda_ipc": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
+        return {"cuda_ipc": self._epoch.where()}
 
     def _drv(self) -> CudaDriver:
         return cuda_driver.driver()
@@ -132,8 +127,8 @@ class CudaIpcTransport(Transport):
         return out
 
     def local_changed(self, epoch: int) -> None:
-        if self._epoch_map is not None and not self._closed:
-            struct.pack_into("<Q", self._epoch_map, 0, epoch)
+        if self._epoch is not None and not self._closed:
+            self._epoch.write(epoch)
         live = {(r.addr, r.length) for r in self.ctx.local.regions()}
         for key in [k for k in self._exports if k not in live]:
             del self._exports[key]
@@ -357,8 +352,8 @@ class CudaIpcTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self._epoch_map is not None:
-            struct.pack_into("<Q", self._epoch_map, 0, _CLOSED_EPOCH)
+        if self._epoch is not None:
+            self._epoch.mark_closed()
         if self._waiter is not None:
             self._pending.put(None)
             self._waiter.join(timeout=5)
@@ -378,12 +373,9 @@ class CudaIpcTransport(Transport):
                     self._drv().host_unregister(addr)
                 except GpuError as exc:
                     log.warning("cuda_ipc: unpinning %#x failed: %s", addr, exc)
-        if self._epoch_map is not None:
-            self._epoch_map.close()
-            self._epoch_map = None
-        if self._epoch_fd >= 0:
-            os.close(self._epoch_fd)
-            self._epoch_fd = -1
+        if self._epoch is not None:
+            self._epoch.release()
+            self._epoch = None
 
 
 @hookimpl

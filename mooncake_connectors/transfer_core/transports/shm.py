@@ -103,6 +103,40 @@ class _Mapping:
             self.mm.close()
 
 
+class EpochPage:
+    """This process's epoch page for one transport: a one-page memfd holding the local segment's
+    epoch. Peers map it and read it before a batch, so a changed or closed segment is noticed
+    without asking the metadata service."""
+
+    def __init__(self, name: str) -> None:
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, mmap.PAGESIZE)
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.inode = os.fstat(self.fd).st_ino
+
+    def where(self) -> str:
+        """How a peer finds the page: ``pid:fd:inode``."""
+        return f"{os.getpid()}:{self.fd}:{self.inode}"
+
+    def write(self, epoch: int) -> None:
+        if self._map is not None:
+            struct.pack_into("<Q", self._map, 0, epoch)
+
+    def mark_closed(self) -> None:
+        # Peers keep the page mapped; this tells them before our memory may go away.
+        self.write(_CLOSED_EPOCH)
+
+    def release(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+            os.close(self.fd)
+
+
 class ShmTransport(Transport):
     name = "shm"
 
@@ -116,21 +150,17 @@ class ShmTransport(Transport):
         )
         self._pidfds: dict[int, int] = {}  # peer pid -> pidfd
         self._workers: list[threading.Thread] = []
-        self._epoch_fd = -1
-        self._epoch_map: mmap.mmap | None = None
+        self._epoch: EpochPage | None = None
         self._closed = False
 
     def start(self) -> dict[str, str]:
-        self._epoch_fd = os.memfd_create("mooncake-connectors-epoch", os.MFD_CLOEXEC)
-        os.ftruncate(self._epoch_fd, mmap.PAGESIZE)
-        self._epoch_map = mmap.mmap(self._epoch_fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        self._epoch = EpochPage("mooncake-connectors-epoch")
         self.local_changed(self.ctx.local.epoch)
-        inode = os.fstat(self._epoch_fd).st_ino
         for i in range(max(1, min(4, os.cpu_count() or 1))):
             t = threading.Thread(target=self._work, name=f"mc-shm-{i}", daemon=True)
             t.start()
             self._workers.append(t)
-        return {"shm": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
+        return {"shm": self._epoch.where()}
 
     def describe_region(self, region: Region) -> Mapping[str, object]:
         if region.memfd < 0:
@@ -142,8 +172,8 @@ class ShmTransport(Transport):
         }
 
     def local_changed(self, epoch: int) -> None:
-        if self._epoch_map is not None and not self._closed:
-            struct.pack_into("<Q", self._epoch_map, 0, epoch)
+        if self._epoch is not None and not self._closed:
+            self._epoch.write(epoch)
 
     # -- reachability -----------------------------------------------------------------------
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
@@ -296,9 +326,8 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
-        if self._epoch_map is not None:
-            # Peers keep our epoch page mapped; tell them before our memory may go away.
-            struct.pack_into("<Q", self._epoch_map, 0, _CLOSED_EPOCH)
+        if self._epoch is not None:
+            self._epoch.mark_closed()
         for _ in self._workers:
             self._q.put(None)
         for t in self._workers:
@@ -311,12 +340,9 @@ class ShmTransport(Transport):
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
-        if self._epoch_map is not None:
-            self._epoch_map.close()
-            self._epoch_map = None
-        if self._epoch_fd >= 0:
-            os.close(self._epoch_fd)
-            self._epoch_fd = -1
+        if self._epoch is not None:
+            self._epoch.release()
+            self._epoch = None
 
 
 @hookimpl
