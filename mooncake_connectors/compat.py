@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 from typing import Any
 
+from .compat_store import finalize, unsupported
 from .config import DEFAULT_TRANSPORTS, EngineConfig
 from .errors import MooncakeConnectorsError
 from .transfer_core.engine import TransferEngine as _Engine
@@ -250,23 +250,15 @@ class TransferEngine:
             self._managed.clear()
 
     def __del__(self) -> None:
-        if sys.is_finalizing():
-            # Interpreter exit: our threads are frozen, so close() could wait on them forever.
-            # Wait for nothing; the process's exit releases the sockets and memory.
-            if self._engine is not None:
-                self._engine.abandon()
-            return
-        try:
-            self.close()
-        except Exception as exc:  # never raise from a finalizer
-            log.debug("closing TransferEngine: %s", exc)
+        finalize("TransferEngine", self._engine, self.close)
 
     def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"mooncake_connectors.compat.TransferEngine has no {name!r}; supported: initialize, "
-            "get_rpc_port, register_memory, unregister_memory, batch_register_memory, "
+        raise unsupported(
+            "TransferEngine",
+            name,
+            "initialize, get_rpc_port, register_memory, unregister_memory, batch_register_memory, "
             "allocate_managed_buffer, free_managed_buffer, transfer_sync_write/read, "
-            "batch_transfer_sync_write/read"
+            "batch_transfer_sync_write/read",
         )
 
 
