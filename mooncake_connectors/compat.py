@@ -18,7 +18,7 @@ import ctypes
 import logging
 from typing import Any
 
-from .compat_store import finalize, unsupported
+from .compat_store import finalize, metadata_url, unsupported
 from .config import DEFAULT_TRANSPORTS, EngineConfig
 from .errors import MooncakeConnectorsError
 from .transfer_core.engine import TransferEngine as _Engine
@@ -32,15 +32,6 @@ _PROTOCOLS: dict[str, tuple[str, ...]] = {
     "tcp": DEFAULT_TRANSPORTS,
     "rdma": (*DEFAULT_TRANSPORTS[:-1], "rdma", DEFAULT_TRANSPORTS[-1]),
 }
-
-
-def _metadata_url(metadata_server: str) -> str:
-    m = metadata_server.strip()
-    if m.upper() == "P2PHANDSHAKE":
-        return "p2p"
-    if m.startswith(("http://", "etcd://", "memory")):
-        return m
-    return f"etcd://{m}"  # Mooncake treats a bare HOST:PORT as an etcd endpoint
 
 
 def _location(location: str) -> str | None:
@@ -68,7 +59,7 @@ class TransferEngine:
             return self._fail("initialize", ValueError(f"unsupported protocol {protocol!r}"))
         host, _, port = local_hostname.partition(":")
         try:
-            url = _metadata_url(metadata_server)
+            url = metadata_url(metadata_server)
             cfg = EngineConfig(
                 host=("127.0.0.1" if host in ("", "localhost") else host),
                 port=int(port) if port and url != "p2p" else 0,

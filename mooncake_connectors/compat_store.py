@@ -115,16 +115,19 @@ def _code(err: MooncakeConnectorsError | None) -> int:
     return INTERNAL_ERROR
 
 
-def _metadata(metadata_server: str) -> str | None:
-    """Mooncake's metadata_server forms, as the engine facade reads them (None: the master's)."""
+def metadata_url(metadata_server: str) -> str:
+    """Our metadata URL for one of Mooncake's metadata_server forms."""
     m = metadata_server.strip()
-    if not m:
-        return None
     if m.upper() == "P2PHANDSHAKE":
         return "p2p"
     if m.startswith(("http://", "etcd://", "memory")):
         return m
     return f"etcd://{m}"  # Mooncake treats a bare HOST:PORT as an etcd endpoint
+
+
+def _metadata(metadata_server: str) -> str | None:
+    """The store client's metadata URL (None: the master's, when none is given)."""
+    return metadata_url(metadata_server) if metadata_server.strip() else None
 
 
 class MooncakeDistributedStore:
