@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -40,7 +39,7 @@ from ..cuda_driver import CudaDriver, MemoryType
 from ..descriptor import CudaExport, RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
 from .cuda_peers import PeerHandles
-from .shm import _CLOSED_EPOCH, EpochPage, _Mapping
+from .shm import EpochPage, _Mapping, epoch_page_at, peer_epoch
 
 if TYPE_CHECKING:
     from ..memory import Region
@@ -242,12 +241,8 @@ class CudaIpcTransport(Transport):
         if peer.pid == os.getpid():
             return peer, state
         if state.epoch_page is None:
-            pid_s, fd_s, ino_s = peer.endpoints["cuda_ipc"].split(":")
-            state.epoch_page = _Mapping(int(pid_s), int(fd_s), int(ino_s))
-        (epoch,) = struct.unpack_from("<Q", state.epoch_page.mm, 0)
-        if epoch == _CLOSED_EPOCH:
-            raise OSError("peer closed its cuda_ipc transport")
-        if epoch != peer.epoch:
+            state.epoch_page = _Mapping(*epoch_page_at(peer.endpoints["cuda_ipc"]))
+        if peer_epoch(state.epoch_page, "cuda_ipc") != peer.epoch:
             peer = self.ctx.refresh_peer(peer.name)
             listed = {e.handle for r in peer.regions for e in r.cuda_exports}
             state.close_unlisted(listed)

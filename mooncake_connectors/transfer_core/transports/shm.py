@@ -103,6 +103,20 @@ class _Mapping:
             self.mm.close()
 
 
+def epoch_page_at(where: str) -> tuple[int, int, int]:
+    """The pid, fd and inode a peer published for its epoch page (``EpochPage.where``)."""
+    pid_s, fd_s, ino_s = where.split(":")
+    return int(pid_s), int(fd_s), int(ino_s)
+
+
+def peer_epoch(page: _Mapping, transport: str) -> int:
+    """The epoch a peer's page holds; OSError once the peer closed that transport."""
+    (epoch,) = struct.unpack_from("<Q", page.mm, 0)
+    if epoch == _CLOSED_EPOCH:
+        raise OSError(errno.ESHUTDOWN, f"peer closed its {transport} transport")
+    return int(epoch)
+
+
 class EpochPage:
     """This process's epoch page for one transport: a one-page memfd holding the local segment's
     epoch. Peers map it and read it before a batch, so a changed or closed segment is noticed
@@ -209,8 +223,7 @@ class ShmTransport(Transport):
         return m
 
     def _epoch_mapping(self, peer: SegmentDesc) -> _Mapping:
-        pid_s, fd_s, ino_s = peer.endpoints["shm"].split(":")
-        return self._mapping(int(pid_s), int(fd_s), int(ino_s))
+        return self._mapping(*epoch_page_at(peer.endpoints["shm"]))
 
     # -- data path --------------------------------------------------------------------------
     def submit(
@@ -249,11 +262,7 @@ class ShmTransport(Transport):
         if peer.pid == os.getpid():
             return peer
         self._check_alive(peer)
-        m = self._epoch_mapping(peer)
-        (epoch,) = struct.unpack_from("<Q", m.mm, 0)
-        if epoch == _CLOSED_EPOCH:
-            raise OSError(errno.ESHUTDOWN, "peer closed its shm transport")
-        if epoch != peer.epoch:
+        if peer_epoch(self._epoch_mapping(peer), "shm") != peer.epoch:
             peer = self.ctx.refresh_peer(peer.name)
         return peer
 
@@ -263,10 +272,10 @@ class ShmTransport(Transport):
         poll() on it, so a recycled PID can never receive our bytes."""
         pidfd = self._pidfds.get(peer.pid)
         if pidfd is None:
-            _, fd_s, ino_s = peer.endpoints["shm"].split(":")
+            _, page_fd, page_inode = epoch_page_at(peer.endpoints["shm"])
             fd = os.pidfd_open(peer.pid)
             try:
-                if os.stat(f"/proc/{peer.pid}/fd/{fd_s}").st_ino != int(ino_s):
+                if os.stat(f"/proc/{peer.pid}/fd/{page_fd}").st_ino != page_inode:
                     raise OSError(errno.ESRCH, "peer process was replaced (epoch page changed)")
             except BaseException:
                 os.close(fd)
