@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 from typing import Any
 
+from .compat_store import finalize, metadata_url, unsupported
 from .config import DEFAULT_TRANSPORTS, EngineConfig
 from .errors import MooncakeConnectorsError
 from .transfer_core.engine import TransferEngine as _Engine
@@ -32,15 +32,6 @@ _PROTOCOLS: dict[str, tuple[str, ...]] = {
     "tcp": DEFAULT_TRANSPORTS,
     "rdma": (*DEFAULT_TRANSPORTS[:-1], "rdma", DEFAULT_TRANSPORTS[-1]),
 }
-
-
-def _metadata_url(metadata_server: str) -> str:
-    m = metadata_server.strip()
-    if m.upper() == "P2PHANDSHAKE":
-        return "p2p"
-    if m.startswith(("http://", "etcd://", "memory")):
-        return m
-    return f"etcd://{m}"  # Mooncake treats a bare HOST:PORT as an etcd endpoint
 
 
 def _location(location: str) -> str | None:
@@ -68,7 +59,7 @@ class TransferEngine:
             return self._fail("initialize", ValueError(f"unsupported protocol {protocol!r}"))
         host, _, port = local_hostname.partition(":")
         try:
-            url = _metadata_url(metadata_server)
+            url = metadata_url(metadata_server)
             cfg = EngineConfig(
                 host=("127.0.0.1" if host in ("", "localhost") else host),
                 port=int(port) if port and url != "p2p" else 0,
@@ -250,23 +241,15 @@ class TransferEngine:
             self._managed.clear()
 
     def __del__(self) -> None:
-        if sys.is_finalizing():
-            # Interpreter exit: our threads are frozen, so close() could wait on them forever.
-            # Wait for nothing; the process's exit releases the sockets and memory.
-            if self._engine is not None:
-                self._engine.abandon()
-            return
-        try:
-            self.close()
-        except Exception as exc:  # never raise from a finalizer
-            log.debug("closing TransferEngine: %s", exc)
+        finalize("TransferEngine", self._engine, self.close)
 
     def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"mooncake_connectors.compat.TransferEngine has no {name!r}; supported: initialize, "
-            "get_rpc_port, register_memory, unregister_memory, batch_register_memory, "
+        raise unsupported(
+            "TransferEngine",
+            name,
+            "initialize, get_rpc_port, register_memory, unregister_memory, batch_register_memory, "
             "allocate_managed_buffer, free_managed_buffer, transfer_sync_write/read, "
-            "batch_transfer_sync_write/read"
+            "batch_transfer_sync_write/read",
         )
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 import logging
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     AccessViolation,
@@ -28,6 +28,9 @@ from .errors import (
     MooncakeConnectorsError,
     ObjectExists,
 )
+
+if TYPE_CHECKING:
+    from .transfer_core.engine import TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,29 @@ NOT_FOUND = -704
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 INTERNAL_ERROR = -1
+
+
+def finalize(facade: str, engine: TransferEngine | None, close: Callable[[], object]) -> None:
+    """A facade's ``__del__``: ``close()``, or at interpreter exit only abandon its engine.
+
+    At exit our threads are frozen, so close() could wait on them forever; waiting for nothing is
+    safe there: the process's exit releases the sockets and memory, and the master sees the
+    segment go as that of a process that exited (after its server_ttl)."""
+    if sys.is_finalizing():
+        if engine is not None:
+            engine.abandon()
+        return
+    try:
+        close()
+    except Exception as exc:  # never raise from a finalizer
+        log.debug("closing %s: %s", facade, exc)
+
+
+def unsupported(facade: str, name: str, supported: str) -> AttributeError:
+    """The error for a Mooncake method the facade does not provide, naming those it does."""
+    return AttributeError(
+        f"mooncake_connectors.compat.{facade} has no {name!r}; supported: {supported}"
+    )
 
 
 class SoftPinAction(enum.IntEnum):
@@ -89,16 +115,19 @@ def _code(err: MooncakeConnectorsError | None) -> int:
     return INTERNAL_ERROR
 
 
-def _metadata(metadata_server: str) -> str | None:
-    """Mooncake's metadata_server forms, as the engine facade reads them (None: the master's)."""
+def metadata_url(metadata_server: str) -> str:
+    """Our metadata URL for one of Mooncake's metadata_server forms."""
     m = metadata_server.strip()
-    if not m:
-        return None
     if m.upper() == "P2PHANDSHAKE":
         return "p2p"
     if m.startswith(("http://", "etcd://", "memory")):
         return m
     return f"etcd://{m}"  # Mooncake treats a bare HOST:PORT as an etcd endpoint
+
+
+def _metadata(metadata_server: str) -> str | None:
+    """The store client's metadata URL (None: the master's, when none is given)."""
+    return metadata_url(metadata_server) if metadata_server.strip() else None
 
 
 class MooncakeDistributedStore:
@@ -296,22 +325,14 @@ class MooncakeDistributedStore:
             return self._fail("remove_all", exc)
 
     def __del__(self) -> None:
-        if sys.is_finalizing():
-            # Interpreter exit: our threads are frozen, so close() could wait on them forever.
-            # Wait for nothing; the master sees this client's segment go as that of a process
-            # that exited (after its server_ttl).
-            if self._client is not None and self._client.engine is not None:
-                self._client.engine.abandon()
-            return
-        try:
-            self.close()
-        except Exception as exc:  # never raise from a finalizer
-            log.debug("closing MooncakeDistributedStore: %s", exc)
+        engine = None if self._client is None else self._client.engine
+        finalize("MooncakeDistributedStore", engine, self.close)
 
     def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"mooncake_connectors.compat.MooncakeDistributedStore has no {name!r}; supported: "
+        raise unsupported(
+            "MooncakeDistributedStore",
+            name,
             "setup, put, get, put_batch, get_batch, put_from, get_into, batch_put_from, "
             "batch_get_into, is_exist, batch_is_exist, get_size, remove, remove_all, "
-            "register_buffer, unregister_buffer, get_hostname, close"
+            "register_buffer, unregister_buffer, get_hostname, close",
         )

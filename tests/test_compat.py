@@ -94,3 +94,22 @@ def test_failures_are_negative_return_codes(meta_server: Any) -> None:
 def test_unsupported_method_names_the_supported_ones() -> None:
     with pytest.raises(AttributeError, match="supported"):
         OurTE().transfer_submit_write  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("given", "url"),
+    [
+        ("P2PHANDSHAKE", "p2p"),
+        (" p2phandshake ", "p2p"),
+        ("http://127.0.0.1:8080/metadata", "http://127.0.0.1:8080/metadata"),
+        ("etcd://127.0.0.1:2379", "etcd://127.0.0.1:2379"),
+        ("memory://x", "memory://x"),
+        ("127.0.0.1:2379", "etcd://127.0.0.1:2379"),  # Mooncake's bare form is etcd
+    ],
+)
+def test_both_facades_read_mooncakes_metadata_server_forms_alike(given: str, url: str) -> None:
+    from mooncake_connectors.compat_store import _metadata, metadata_url
+
+    assert metadata_url(given) == url
+    assert _metadata(given) == url
+    assert _metadata("  ") is None  # the store falls back to its master's metadata

@@ -310,6 +310,16 @@ class GuardedStore:
             self.log.warn("bug:" + op, "%s: %s raised %r", self.name, op, exc, exc_info=exc)
         return FAILED
 
+    def _outcome(
+        self, op: str, fut: asyncio.Future[T] | concurrent.futures.Future[T]
+    ) -> T | Failed:
+        """A finished call's result, or FAILED (counted, and logged by ``_failure``)."""
+        if fut.cancelled():  # dropped from the queue by close()
+            self.counters["failed"] += 1
+            return FAILED
+        exc = fut.exception()
+        return fut.result() if exc is None else self._failure(op, exc)
+
     def _overdue(self, op: str, waited: float) -> Failed:
         self.counters["timeouts"] += 1
         self.counters["failed"] += 1
@@ -352,11 +362,7 @@ class GuardedStore:
             waiter.cancel()
             claim.leave(fut)
             return self._overdue(op, waited)
-        if waiter.cancelled():  # dropped from the queue by close()
-            self.counters["failed"] += 1
-            return FAILED
-        exc = waiter.exception()
-        return waiter.result() if exc is None else self._failure(op, exc)
+        return self._outcome(op, waiter)
 
     def run_sync(self, op: str, fn: Callable[[StoreClient], T]) -> T | Failed:
         """``fn(client)`` on a worker thread, for a host's synchronous calls: its result, or
@@ -369,11 +375,7 @@ class GuardedStore:
         if not done:
             fut.cancel()
             return self._overdue(op, waited)
-        if fut.cancelled():  # dropped from the queue by close()
-            self.counters["failed"] += 1
-            return FAILED
-        exc = fut.exception()
-        return fut.result() if exc is None else self._failure(op, exc)
+        return self._outcome(op, fut)
 
     def close(self, wait: float | None = None) -> None:
         """Stop connecting and taking calls, drop queued calls, close the client (calls still

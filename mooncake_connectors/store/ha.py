@@ -38,6 +38,16 @@ def _etcd_client(url: str, timeout: float, index: int = 0) -> Any:
     return etcd3.client(host=host, port=port, timeout=timeout)
 
 
+def _close_quietly(client: Any) -> None:
+    """Close an etcd client (or None) that is being dropped; a broken channel may fail to
+    close, and that loses nothing."""
+    if client is not None:
+        try:
+            client.close()
+        except Exception as exc:
+            log.debug("closing etcd client: %s", exc)
+
+
 def leader_key(url: str) -> str:
     return parse_etcd_url(url)[1] + LEADER_KEY
 
@@ -70,11 +80,7 @@ class LeaderElection:
 
     def _reset(self, exc: Exception) -> None:
         log.warning("etcd unreachable for the election (%s: %s)", type(exc).__name__, exc)
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception as close_exc:  # a broken channel may fail to close
-                log.debug("closing etcd client: %s", close_exc)
+        _close_quietly(self._client)
         self._client = None
         self._endpoint += 1
 
@@ -131,12 +137,8 @@ class LeaderElection:
             except Exception as exc:
                 log.info("could not revoke the leader lease: %s", exc)
         self.leading = False
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception as exc:
-                log.debug("closing etcd client: %s", exc)
-            self._client = None
+        _close_quietly(self._client)
+        self._client = None
 
 
 class LeaderResolver:
@@ -161,11 +163,7 @@ class LeaderResolver:
                 raise
             except Exception as exc:
                 log.info("etcd did not tell the leader: %s: %s", type(exc).__name__, exc)
-                if self._client is not None:
-                    try:
-                        self._client.close()
-                    except Exception as close_exc:
-                        log.debug("closing etcd client: %s", close_exc)
+                _close_quietly(self._client)
                 self._client = None
                 self._endpoint += 1
                 return None

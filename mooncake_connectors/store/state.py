@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ConfigError
 from . import eviction, tier
@@ -43,10 +43,22 @@ from .records import (
 log = logging.getLogger(__name__)
 RECENT_COMMITS = 4096
 RESERVE_SHARE = 0.1  # of mounted memory, at most, held by reservations
+K = TypeVar("K")
 
 
 def _held(size: int, nrep: int) -> int:
     return aligned(size) * max(1, nrep)
+
+
+def _due(leases: dict[K, Pending], now: float) -> list[tuple[K, Pending]]:
+    """The entries whose deadline has passed, from a dict kept in deadline order (entries are
+    added in start order and every lease of one kind has the same length)."""
+    due = []
+    for key, p in leases.items():
+        if p.deadline > now:
+            break
+        due.append((key, p))
+    return due
 
 
 class MasterState:
@@ -718,20 +730,9 @@ class MasterState:
 
     # -- housekeeping -----------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        # put leases: pending is in start order and every lease has the same length
-        expired = []
-        for key, p in self.pending.items():
-            if p.deadline > now:
-                break
-            expired.append((key, p))
-        for key, p in expired:
+        for key, p in _due(self.pending, now):
             self._expire(key, p)
-        gone = []
-        for rid, p in self.reserved.items():
-            if p.deadline > now:
-                break
-            gone.append((rid, p))
-        for rid, p in gone:
+        for rid, p in _due(self.reserved, now):
             del self.reserved[rid]
             self.reserved_bytes -= _held(p.size, p.nrep)
             self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)

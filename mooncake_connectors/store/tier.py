@@ -99,14 +99,21 @@ def start_spill(st: MasterState, key: str, obj: Obj, mem_bytes: int) -> bool:
     return True
 
 
-def spill_done(st: MasterState, client_id: str, fid: int, ok: bool, now: float) -> None:
-    job = st.spilling.get(fid)
+def _file_done(jobs: dict[int, Job], client_id: str, fid: int, ok: bool) -> Job | None:
+    """Count a server's report on one file of a job: the job once its last file is reported,
+    else None."""
+    job = jobs.get(fid)
     if job is None or not any(r.client_id == client_id and f == fid for r, f, _ in job.files):
-        return  # not a file this server was asked about (a stale or foreign report)
-    del st.spilling[fid]
+        return None  # not a file this server was asked about (a stale or foreign report)
+    del jobs[fid]
     job.failed |= not ok
     job.pending -= 1
-    if job.pending <= 0:
+    return job if job.pending <= 0 else None
+
+
+def spill_done(st: MasterState, client_id: str, fid: int, ok: bool, now: float) -> None:
+    job = _file_done(st.spilling, client_id, fid, ok)
+    if job is not None:
         _finish_spill(st, job, now)
 
 
@@ -240,13 +247,8 @@ def maybe_promote(st: MasterState, key: str, obj: Obj, now: float) -> bool:
 
 
 def promote_done(st: MasterState, client_id: str, fid: int, ok: bool, now: float) -> None:
-    job = st.promoting.get(fid)
-    if job is None or not any(r.client_id == client_id and f == fid for r, f, _ in job.files):
-        return  # not a file this server was asked about (a stale or foreign report)
-    del st.promoting[fid]
-    job.failed |= not ok
-    job.pending -= 1
-    if job.pending <= 0:
+    job = _file_done(st.promoting, client_id, fid, ok)
+    if job is not None:
         _finish_promote(st, job, now)
 
 

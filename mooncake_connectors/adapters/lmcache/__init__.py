@@ -14,8 +14,7 @@ lmcache.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ...lazy import lazy_exports
 
 _EXPORTS = {
     "StoreConnector": ".connector",
@@ -25,9 +24,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

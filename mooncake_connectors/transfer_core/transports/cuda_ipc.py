@@ -16,10 +16,8 @@ with this transport enabled and simply finds nothing reachable through it.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import queue
-import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -41,7 +39,7 @@ from ..cuda_driver import CudaDriver, MemoryType
 from ..descriptor import CudaExport, RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
 from .cuda_peers import PeerHandles
-from .shm import _CLOSED_EPOCH, _Mapping
+from .shm import EpochPage, _Mapping, epoch_page_at, peer_epoch
 
 if TYPE_CHECKING:
     from ..memory import Region
@@ -67,18 +65,14 @@ class CudaIpcTransport(Transport):
             queue.SimpleQueue()
         )
         self._waiter: threading.Thread | None = None
-        self._epoch_fd = -1
-        self._epoch_map: mmap.mmap | None = None
+        self._epoch: EpochPage | None = None
         self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> dict[str, str]:
-        self._epoch_fd = os.memfd_create("mooncake-connectors-cuda-epoch", os.MFD_CLOEXEC)
-        os.ftruncate(self._epoch_fd, mmap.PAGESIZE)
-        self._epoch_map = mmap.mmap(self._epoch_fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        self._epoch = EpochPage("mooncake-connectors-cuda-epoch")
         self.local_changed(self.ctx.local.epoch)
-        inode = os.fstat(self._epoch_fd).st_ino
-        return {"cuda_ipc": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
+        return {"cuda_ipc": self._epoch.where()}
 
     def _drv(self) -> CudaDriver:
         return cuda_driver.driver()
@@ -132,8 +126,8 @@ class CudaIpcTransport(Transport):
         return out
 
     def local_changed(self, epoch: int) -> None:
-        if self._epoch_map is not None and not self._closed:
-            struct.pack_into("<Q", self._epoch_map, 0, epoch)
+        if self._epoch is not None and not self._closed:
+            self._epoch.write(epoch)
         live = {(r.addr, r.length) for r in self.ctx.local.regions()}
         for key in [k for k in self._exports if k not in live]:
             del self._exports[key]
@@ -247,12 +241,8 @@ class CudaIpcTransport(Transport):
         if peer.pid == os.getpid():
             return peer, state
         if state.epoch_page is None:
-            pid_s, fd_s, ino_s = peer.endpoints["cuda_ipc"].split(":")
-            state.epoch_page = _Mapping(int(pid_s), int(fd_s), int(ino_s))
-        (epoch,) = struct.unpack_from("<Q", state.epoch_page.mm, 0)
-        if epoch == _CLOSED_EPOCH:
-            raise OSError("peer closed its cuda_ipc transport")
-        if epoch != peer.epoch:
+            state.epoch_page = _Mapping(*epoch_page_at(peer.endpoints["cuda_ipc"]))
+        if peer_epoch(state.epoch_page, "cuda_ipc") != peer.epoch:
             peer = self.ctx.refresh_peer(peer.name)
             listed = {e.handle for r in peer.regions for e in r.cuda_exports}
             state.close_unlisted(listed)
@@ -357,8 +347,8 @@ class CudaIpcTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self._epoch_map is not None:
-            struct.pack_into("<Q", self._epoch_map, 0, _CLOSED_EPOCH)
+        if self._epoch is not None:
+            self._epoch.mark_closed()
         if self._waiter is not None:
             self._pending.put(None)
             self._waiter.join(timeout=5)
@@ -378,12 +368,9 @@ class CudaIpcTransport(Transport):
                     self._drv().host_unregister(addr)
                 except GpuError as exc:
                     log.warning("cuda_ipc: unpinning %#x failed: %s", addr, exc)
-        if self._epoch_map is not None:
-            self._epoch_map.close()
-            self._epoch_map = None
-        if self._epoch_fd >= 0:
-            os.close(self._epoch_fd)
-            self._epoch_fd = -1
+        if self._epoch is not None:
+            self._epoch.release()
+            self._epoch = None
 
 
 @hookimpl

@@ -103,6 +103,54 @@ class _Mapping:
             self.mm.close()
 
 
+def epoch_page_at(where: str) -> tuple[int, int, int]:
+    """The pid, fd and inode a peer published for its epoch page (``EpochPage.where``)."""
+    pid_s, fd_s, ino_s = where.split(":")
+    return int(pid_s), int(fd_s), int(ino_s)
+
+
+def peer_epoch(page: _Mapping, transport: str) -> int:
+    """The epoch a peer's page holds; OSError once the peer closed that transport."""
+    (epoch,) = struct.unpack_from("<Q", page.mm, 0)
+    if epoch == _CLOSED_EPOCH:
+        raise OSError(errno.ESHUTDOWN, f"peer closed its {transport} transport")
+    return int(epoch)
+
+
+class EpochPage:
+    """This process's epoch page for one transport: a one-page memfd holding the local segment's
+    epoch. Peers map it and read it before a batch, so a changed or closed segment is noticed
+    without asking the metadata service."""
+
+    def __init__(self, name: str) -> None:
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, mmap.PAGESIZE)
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.inode = os.fstat(self.fd).st_ino
+
+    def where(self) -> str:
+        """How a peer finds the page: ``pid:fd:inode``."""
+        return f"{os.getpid()}:{self.fd}:{self.inode}"
+
+    def write(self, epoch: int) -> None:
+        if self._map is not None:
+            struct.pack_into("<Q", self._map, 0, epoch)
+
+    def mark_closed(self) -> None:
+        # Peers keep the page mapped; this tells them before our memory may go away.
+        self.write(_CLOSED_EPOCH)
+
+    def release(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+            os.close(self.fd)
+
+
 class ShmTransport(Transport):
     name = "shm"
 
@@ -116,21 +164,17 @@ class ShmTransport(Transport):
         )
         self._pidfds: dict[int, int] = {}  # peer pid -> pidfd
         self._workers: list[threading.Thread] = []
-        self._epoch_fd = -1
-        self._epoch_map: mmap.mmap | None = None
+        self._epoch: EpochPage | None = None
         self._closed = False
 
     def start(self) -> dict[str, str]:
-        self._epoch_fd = os.memfd_create("mooncake-connectors-epoch", os.MFD_CLOEXEC)
-        os.ftruncate(self._epoch_fd, mmap.PAGESIZE)
-        self._epoch_map = mmap.mmap(self._epoch_fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        self._epoch = EpochPage("mooncake-connectors-epoch")
         self.local_changed(self.ctx.local.epoch)
-        inode = os.fstat(self._epoch_fd).st_ino
         for i in range(max(1, min(4, os.cpu_count() or 1))):
             t = threading.Thread(target=self._work, name=f"mc-shm-{i}", daemon=True)
             t.start()
             self._workers.append(t)
-        return {"shm": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
+        return {"shm": self._epoch.where()}
 
     def describe_region(self, region: Region) -> Mapping[str, object]:
         if region.memfd < 0:
@@ -142,8 +186,8 @@ class ShmTransport(Transport):
         }
 
     def local_changed(self, epoch: int) -> None:
-        if self._epoch_map is not None and not self._closed:
-            struct.pack_into("<Q", self._epoch_map, 0, epoch)
+        if self._epoch is not None and not self._closed:
+            self._epoch.write(epoch)
 
     # -- reachability -----------------------------------------------------------------------
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
@@ -179,8 +223,7 @@ class ShmTransport(Transport):
         return m
 
     def _epoch_mapping(self, peer: SegmentDesc) -> _Mapping:
-        pid_s, fd_s, ino_s = peer.endpoints["shm"].split(":")
-        return self._mapping(int(pid_s), int(fd_s), int(ino_s))
+        return self._mapping(*epoch_page_at(peer.endpoints["shm"]))
 
     # -- data path --------------------------------------------------------------------------
     def submit(
@@ -219,11 +262,7 @@ class ShmTransport(Transport):
         if peer.pid == os.getpid():
             return peer
         self._check_alive(peer)
-        m = self._epoch_mapping(peer)
-        (epoch,) = struct.unpack_from("<Q", m.mm, 0)
-        if epoch == _CLOSED_EPOCH:
-            raise OSError(errno.ESHUTDOWN, "peer closed its shm transport")
-        if epoch != peer.epoch:
+        if peer_epoch(self._epoch_mapping(peer), "shm") != peer.epoch:
             peer = self.ctx.refresh_peer(peer.name)
         return peer
 
@@ -233,10 +272,10 @@ class ShmTransport(Transport):
         poll() on it, so a recycled PID can never receive our bytes."""
         pidfd = self._pidfds.get(peer.pid)
         if pidfd is None:
-            _, fd_s, ino_s = peer.endpoints["shm"].split(":")
+            _, page_fd, page_inode = epoch_page_at(peer.endpoints["shm"])
             fd = os.pidfd_open(peer.pid)
             try:
-                if os.stat(f"/proc/{peer.pid}/fd/{fd_s}").st_ino != int(ino_s):
+                if os.stat(f"/proc/{peer.pid}/fd/{page_fd}").st_ino != page_inode:
                     raise OSError(errno.ESRCH, "peer process was replaced (epoch page changed)")
             except BaseException:
                 os.close(fd)
@@ -296,9 +335,8 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
-        if self._epoch_map is not None:
-            # Peers keep our epoch page mapped; tell them before our memory may go away.
-            struct.pack_into("<Q", self._epoch_map, 0, _CLOSED_EPOCH)
+        if self._epoch is not None:
+            self._epoch.mark_closed()
         for _ in self._workers:
             self._q.put(None)
         for t in self._workers:
@@ -311,12 +349,9 @@ class ShmTransport(Transport):
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
-        if self._epoch_map is not None:
-            self._epoch_map.close()
-            self._epoch_map = None
-        if self._epoch_fd >= 0:
-            os.close(self._epoch_fd)
-            self._epoch_fd = -1
+        if self._epoch is not None:
+            self._epoch.release()
+            self._epoch = None
 
 
 @hookimpl

@@ -125,6 +125,18 @@ def recv_until(sock: socket.socket, buf: memoryview, deadline: float) -> None:
             sock.settimeout(per_recv)
 
 
+def _drop_sent(bufs: list[memoryview | bytes], sent: int) -> None:
+    """Take the first ``sent`` bytes off ``bufs``: whole buffers, then the head of the next."""
+    while sent:
+        first = bufs[0]
+        if sent >= len(first):
+            sent -= len(first)
+            bufs.pop(0)
+        else:
+            bufs[0] = memoryview(first)[sent:]
+            sent = 0
+
+
 def send_until(sock: socket.socket, bufs: list[memoryview | bytes], deadline: float) -> None:
     """``sendmsg_all`` for a socket with SO_SNDTIMEO: TimeoutError at ``deadline`` when the
     peer stops reading."""
@@ -134,14 +146,7 @@ def send_until(sock: socket.socket, bufs: list[memoryview | bytes], deadline: fl
             sent = sock.sendmsg(bufs[:1024])
         except (BlockingIOError, TimeoutError):
             sent = 0
-        while sent:
-            first = bufs[0]
-            if sent >= len(first):
-                sent -= len(first)
-                bufs.pop(0)
-            else:
-                bufs[0] = memoryview(first)[sent:]
-                sent = 0
+        _drop_sent(bufs, sent)
         if bufs and time.monotonic() >= deadline:
             raise TimeoutError("the peer did not read the answer within the deadline")
 
@@ -167,14 +172,7 @@ def sendmsg_all(
             progress()
         first_call = False
         sent = sock.sendmsg(bufs[:1024])
-        while sent:
-            first = bufs[0]
-            if sent >= len(first):
-                sent -= len(first)
-                bufs.pop(0)
-            else:
-                bufs[0] = memoryview(first)[sent:]
-                sent = 0
+        _drop_sent(bufs, sent)
         # drop empty buffers so sendmsg never spins on zero-length entries
         while bufs and len(bufs[0]) == 0:
             bufs.pop(0)
