@@ -438,6 +438,10 @@ def store_server(
             help="Shared secret every control and data connection must prove (>= 8 characters).",
         ),
     ] = None,
+    transports: Annotated[
+        str,
+        typer.Option(help="Transports, in preference order; without shm, control is TCP too."),
+    ] = "shm,tcp",
     verbose: Verbose = 0,
 ) -> None:
     """Contribute memory (and SSD) to the store and hold the data, in the foreground."""
@@ -445,6 +449,7 @@ def store_server(
     import signal
     import threading
 
+    from .config import parse_transports
     from .store.config import ServerConfig, parse_size
     from .store.server import StoreServer
 
@@ -456,6 +461,7 @@ def store_server(
         ssd_size=parse_size(ssd_size),
         metadata=metadata,
         auth_token=auth_token,
+        transports=parse_transports(transports),
     )
     server = StoreServer(cfg).start()
     typer.echo(json.dumps({"segment": server.segment, "pid": os.getpid()}), err=True)
