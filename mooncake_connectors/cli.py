@@ -726,21 +726,34 @@ def bench_store(
     mooncake: Annotated[
         bool, typer.Option(help="Also run Mooncake's master and store when installed.")
     ] = True,
+    ours: Annotated[
+        str,
+        typer.Option(
+            help="Our variants, in one window: ours (shm+tcp, unix-socket control), ours-tcp "
+            "(TCP only, data and control: like for like with Mooncake's tcp)."
+        ),
+    ] = "ours,ours-tcp",
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """Master, data owner and client as separate processes; ours and Mooncake's, interleaved."""
     _setup_logging(verbose)
     from .bench.store import run_store_benchmark
+    from .errors import ConfigError
 
-    result = run_store_benchmark(
-        rounds=rounds,
-        sizes=sizes,
-        batches=batches,
-        memory=memory,
-        scale=scale,
-        with_mooncake=mooncake,
-    )
+    try:
+        result = run_store_benchmark(
+            rounds=rounds,
+            sizes=sizes,
+            batches=batches,
+            memory=memory,
+            scale=scale,
+            with_mooncake=mooncake,
+            ours=tuple(_csv(ours)),
+        )
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     _emit(result, output)
 
 
