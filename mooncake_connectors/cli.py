@@ -608,6 +608,9 @@ def bench_vllm_pd(
     push: Annotated[
         bool, typer.Option(help="Also run ours with layer-wise push (both legs at once).")
     ] = True,
+    tcp_only: Annotated[
+        bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
+    ] = True,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -628,6 +631,7 @@ def bench_vllm_pd(
             work_dir=Path(work_dir) if work_dir else None,
             transports=tuple(_csv(transports)),
             push=push,
+            tcp_only=tcp_only,
             progress=advance,
         )
     _emit(result, output)
@@ -647,6 +651,9 @@ def bench_vllm_store(
         bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
     ] = False,
     transports: OurTransports = "shm,tcp",
+    tcp_only: Annotated[
+        bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
+    ] = True,
     layers: Layers = 4,
     kv_heads: KvHeads = 4,
     memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
@@ -672,6 +679,7 @@ def bench_vllm_store(
             with_ours=ours,
             with_ours_async=ours_async,
             transports=tuple(_csv(transports)),
+            tcp_only=tcp_only,
             layers=layers,
             kv_heads=kv_heads,
             memory=memory,

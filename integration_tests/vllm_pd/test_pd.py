@@ -60,7 +60,13 @@ class PD:
 def pd(tiny_model: Path, log_dir: Path) -> Iterator[PD]:
     prefill = VllmServer(log_dir, tiny_model, core=0, kv_transfer_config=kv_config("kv_producer"))
     prefill2 = VllmServer(log_dir, tiny_model, core=0, kv_transfer_config=kv_config("kv_producer"))
-    decode = VllmServer(log_dir, tiny_model, core=1, kv_transfer_config=kv_config("kv_consumer"))
+    decode = VllmServer(
+        log_dir,
+        tiny_model,
+        core=1,
+        kv_transfer_config=kv_config("kv_consumer"),
+        args=("--enable-prompt-tokens-details",),
+    )
     proxy = ProxyServer(log_dir, [prefill.url, prefill2.url], [decode.url])
     servers = (prefill, prefill2, decode, proxy)
     try:
@@ -95,6 +101,9 @@ def test_pd_tokens_equal_single_engine_and_prompt_is_external(pd: PD) -> None:
         answer = completion(pd.proxy.url, p, MAX_TOKENS)
         assert token_ids(answer) == reference[i], f"prompt {i} ({len(p)} tokens) differs"
         assert answer["usage"]["prompt_tokens"] == len(p)
+        # the loaded prompt counts as cached, as with vLLM's MooncakeConnector (the prefill
+        # computed everything: its own hits, which vLLM would report otherwise, are 0)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(p)
     # The decode engine took every prompt token from the prefill instead of computing it.
     hits = pd.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
     assert hits == sum(PROMPT_LENGTHS)

@@ -42,7 +42,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from ..store.client import StoreClient
 from ..store.config import ClientConfig, parse_size
-from .store import _free_port, _wait_port, start_mooncake_store
+from .procs import _free_port, _wait_port, start_mooncake_store
 
 TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128

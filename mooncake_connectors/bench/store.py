@@ -30,14 +30,12 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..store.config import parse_size
-from .procs import (  # the other benches import these from here too
-    _free_port,
-    _quiet,
-    _stop,
-    _wait_port,
-    loadavg,
-    start_mooncake_store,
-)
+from .procs import _free_port as _free_port  # re-exported: benches import them from here too
+from .procs import _quiet as _quiet
+from .procs import _stop as _stop
+from .procs import _wait_port as _wait_port
+from .procs import loadavg
+from .procs import start_mooncake_store as start_mooncake_store
 
 log = logging.getLogger(__name__)
 
