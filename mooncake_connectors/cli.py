@@ -293,10 +293,10 @@ def proxy(
 @app.command()
 def demo(
     prompts: Annotated[int, typer.Option(min=1, max=64, help="Prompts sent each way.")] = 8,
-    min_tokens: Annotated[int, typer.Option(min=1, help="Shortest prompt, in tokens.")] = 300,
+    min_tokens: Annotated[int, typer.Option(min=1, help="Shortest prompt, in tokens.")] = 1024,
     max_prompt_tokens: Annotated[
         int, typer.Option(min=1, max=8192, help="Longest prompt, in tokens.")
-    ] = 1500,
+    ] = 4096,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 32,
     store: Annotated[
         bool,
