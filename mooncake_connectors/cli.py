@@ -298,6 +298,10 @@ def demo(
         int, typer.Option(min=1, max=8192, help="Longest prompt, in tokens.")
     ] = 4096,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 32,
+    interval: Annotated[
+        float,
+        typer.Option(min=0.0, help="Seconds between the overlapping run's prompts."),
+    ] = 0.3,
     store: Annotated[
         bool,
         typer.Option(help="Start the store; the prefill engine saves to it and loads from it."),
@@ -333,6 +337,7 @@ def demo(
                 min_tokens=min_tokens,
                 max_prompt_tokens=max_prompt_tokens,
                 max_tokens=max_tokens,
+                interval=interval,
                 store=store,
                 work_dir=Path(work_dir) if work_dir else None,
                 say=say,
