@@ -324,6 +324,7 @@ def run_pd_benchmark(
                     "ttft_ms": round(statistics.median(ttft), 1),
                     "ttft_ms_all": [round(t, 1) for t in ttft],
                     "decode_leg_ms": round(statistics.median(legs), 1) if legs else None,
+                    "decode_leg_ms_all": [round(x, 1) for x in legs],
                     "tokens_identical": all(same),
                 }
     finally:
