@@ -659,6 +659,9 @@ def bench_vllm_store(
     tcp_only: Annotated[
         bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
     ] = True,
+    baseline: Annotated[
+        bool, typer.Option(help="Also run engines without a KV connector (cold-request cost).")
+    ] = True,
     layers: Layers = 4,
     kv_heads: KvHeads = 4,
     memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
@@ -685,6 +688,7 @@ def bench_vllm_store(
             with_ours_async=ours_async,
             transports=tuple(_csv(transports)),
             tcp_only=tcp_only,
+            baseline=baseline,
             layers=layers,
             kv_heads=kv_heads,
             memory=memory,
