@@ -26,7 +26,9 @@ like-for-like column against Mooncake's tcp. Every system's engine pair is up at
 systems take turns at each prompt length, so machine noise hits all alike.
 
 vLLM's MooncakeConnector asks torch for an accelerator device index, which CPU torch refuses;
-its engines get a ``sitecustomize`` that answers 0 (ENGINES.md). Nothing else is changed.
+its engines get a ``sitecustomize`` that answers 0 and, on a CPU with AMX, asks Linux for AMX tile
+state as our connectors do (otherwise its decode worker dies with SIGILL in vLLM's AMX attention
+kernel on a first forward of one token). Nothing else is changed.
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ try:
     import torch
 
     torch.accelerator.current_device_index = lambda: 0
+except Exception:
+    pass
+# On an AMX host, the AMX tile state our connectors ask for (adapters/vllm/cpu_amx.py): without
+# it a decode whose first forward is one token over transferred KV dies with SIGILL.
+try:
+    import ctypes
+
+    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
 except Exception:
     pass
 """
@@ -316,7 +326,9 @@ def run_pd_benchmark(
                     done += 1
                     if progress:
                         progress(done, total)
-                xfer_ms, mb, transfers = stats[runner.name].wait(rounds)
+                # Mooncake's runs each prompt twice (both legs at once, then one after the other)
+                per_round = 2 if isinstance(runner, _Theirs) else 1
+                xfer_ms, mb, transfers = stats[runner.name].wait(rounds * per_round)
                 results[runner.name][str(length)] = {
                     "transfer_ms": round(xfer_ms, 3),
                     "mb": round(mb, 3),
@@ -389,7 +401,9 @@ def run_pd_benchmark(
 def _start_pair(work: Path, model: Path, runner: Any, max_len: int) -> tuple[Any, Any]:
     """A prefill (core 0) and a decode (core 1) engine with ``runner``'s connector, ready."""
     common = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
-    args = ("--no-enable-prefix-caching",)
+    # Every system's pair is up at once: 256 MiB of KV cache each (65k tokens of this model)
+    # instead of vLLM's CPU default of 1 GiB, so six engines fit beside other work.
+    args = ("--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(256 << 20))
     servers = [
         VllmServer(
             work,
