@@ -110,12 +110,15 @@ class EtcdServer:
 class Peer:
     """Another process running a TransferEngine, driven by JSON lines on stdin/stdout."""
 
-    def __init__(self, **start: Any) -> None:
+    def __init__(self, nofile: int | None = None, **start: Any) -> None:
+        """``nofile``: the peer's descriptor limit (set by the peer itself, after its imports)."""
+        env = {**os.environ, "PEER_NOFILE": str(nofile)} if nofile else None
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER_SCRIPT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         self.info = self.call("start", **start)
         self.segment: str = self.info["segment"]

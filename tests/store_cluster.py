@@ -34,14 +34,20 @@ FAST = [
 class Proc:
     """A CLI process whose output goes to a temp file (shown when a test fails)."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], nofile: int | None = None) -> None:
         # kept open for the process lifetime; closed in close()
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix="mc-store-", suffix=".log", delete=False
         )
         self.args = args
+        # nofile: the process's descriptor limit, set by prlimit(1) so no code runs in the fork
+        limit = ["prlimit", f"--nofile={nofile}:{nofile}", "--"] if nofile else []
         self.proc = subprocess.Popen(
-            [*CLI, *args], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            [*limit, *CLI, *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "COLUMNS": "400"},  # one log record per line
         )
         self.pid = self.proc.pid
 

@@ -41,6 +41,7 @@ from .messages import (
 )
 
 log = logging.getLogger(__name__)
+MAX_MESSAGE = 16 << 20  # far above a layout or a push target of 10^5 blocks
 
 
 class SideChannelServer:
@@ -62,6 +63,11 @@ class SideChannelServer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # libzmq allocates a message's declared size when its header arrives: a peer announcing
+        # more is disconnected instead. A peer that never finishes the ZMTP handshake is dropped
+        # after HANDSHAKE_IVL.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
         h = f"[{host}]" if ":" in host else host
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)

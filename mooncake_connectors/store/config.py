@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import GIB, KIB, MIB
+from ..config import DEFAULT_TRANSPORTS, GIB, KIB, MIB
 from ..errors import ConfigError
 
 _UNITS = {"K": KIB, "M": MIB, "G": GIB, "T": 1024 * GIB}
@@ -78,6 +78,12 @@ class MasterConfig:
     unmounted. soft_pin_ttl: how long a soft pin lasts. ha: ``etcd://HOST:PORT/PREFIX`` to elect
     a leader among several masters; ha_lease_ttl is the leader key's lease; advertise is the
     address written there (default host:port). max_frame: larger control frames are refused.
+    max_inflight: bytes of unfinished control frames held over all connections; a connection
+    that would pass it is refused. frame_timeout: a control frame must arrive whole within this
+    many seconds plus its length at 1 MiB/s (and a token's challenge be answered within it).
+    key_budget: bytes of keys and per-key records the master keeps (objects and puts in
+    progress, each charged its key's length plus ``KEY_OVERHEAD``); a put past it evicts, else
+    is refused with CapacityExceeded.
     promote_hits: an object spilled to SSD is brought back into memory on its n-th read from SSD
     when that fits below the high watermark (0: never; 1: on the first read). auth_token: a
     shared secret every connection must prove (challenge/response) before any request.
@@ -99,6 +105,9 @@ class MasterConfig:
     ha_lease_ttl: float = 5.0
     advertise: str | None = None
     max_frame: int = 64 * MIB
+    max_inflight: int = 256 * MIB
+    frame_timeout: float = 10.0
+    key_budget: int = 2048 * MIB
     promote_hits: int = 1
     auth_token: str | None = None
 
@@ -132,6 +141,12 @@ class MasterConfig:
             raise ConfigError(f"ha must be an etcd://HOST:PORT/PREFIX URL, got {self.ha!r}")
         if self.max_frame < 64 * KIB:
             raise ConfigError("max_frame must be at least 64 KiB")
+        if self.max_inflight < self.max_frame:
+            raise ConfigError("max_inflight must be at least max_frame")
+        if not self.frame_timeout > 0:
+            raise ConfigError(f"frame_timeout must be > 0, got {self.frame_timeout}")
+        if self.key_budget < 1 * MIB:
+            raise ConfigError(f"key_budget must be at least 1 MiB, got {self.key_budget}")
         if self.promote_hits < 0:
             raise ConfigError(f"promote_hits must be >= 0, got {self.promote_hits}")
 
@@ -164,7 +179,7 @@ class ServerConfig:
     ssd_size: int = 0
     bounce_size: int = 64 * MIB
     metadata: str | None = None
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     rpc_timeout: float = 5.0
     auth_token: str | None = None
 
@@ -212,7 +227,7 @@ class ClientConfig:
     global_segment_size: int = 0
     local_buffer_size: int = 64 * MIB
     metadata: str | None = None
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     timeout: float = 20.0
     rpc_timeout: float = 5.0
     replica_timeout: float = 1.0

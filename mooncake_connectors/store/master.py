@@ -23,6 +23,7 @@ from typing import Any
 
 from ..config import bearer_ok, info_needs_token
 from ..errors import ConfigError
+from ..netguard import GuardedHandler, GuardedHTTPServer
 from .config import MasterConfig
 from .protocol import (
     Allocs,
@@ -120,6 +121,8 @@ class Master:
             self._handle,
             tick=self._tick,
             max_frame=cfg.max_frame,
+            max_inflight=cfg.max_inflight,
+            frame_timeout=cfg.frame_timeout,
             name="mc-store-master",
             token=cfg.auth_token,
         )
@@ -366,7 +369,7 @@ class Master:
 
         registry.register(Collector())  # type: ignore[arg-type]
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(GuardedHandler):
             def log_message(self, format: str, *args: object) -> None:
                 log.debug("http %s", format % args)
 
@@ -397,6 +400,5 @@ class Master:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._http = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
+        self._http = GuardedHTTPServer((host, port), Handler)
         threading.Thread(target=self._http.serve_forever, name="mc-store-http", daemon=True).start()

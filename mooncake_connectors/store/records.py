@@ -44,6 +44,15 @@ class Pending(msgspec.Struct, gc=False):
     deadline: float
 
 
+# What one key costs the master beyond its characters (struct, dict slot, string header), for
+# MasterConfig.key_budget; measured near 200 bytes per key by ``bench store-memory``.
+KEY_OVERHEAD = 256
+
+
+def key_cost(key: str) -> int:
+    return len(key) + KEY_OVERHEAD
+
+
 class Segment:
     __slots__ = ("alloc", "base", "host_id", "id", "name", "server", "size")
 

@@ -16,7 +16,7 @@ import time
 
 from .allocator import RangeAllocator, aligned
 from .protocol import Part, stripe_bounds
-from .records import PIN, SHIFT, SOFT, Extra, Obj, Segment, Server, pack
+from .records import PIN, SHIFT, SOFT, Extra, Obj, Segment, Server, key_cost, pack
 from .state import MasterState
 from .tier import NO_FILE, ssd_bytes
 
@@ -104,6 +104,7 @@ def _new_obj(state: MasterState, p: Part, now: float, wall_ms: float, disk_only:
         if p.ttl_wall_ms:
             heapq.heappush(state._ttl_heap, (obj.extra.ttl, next(state._seq), p.key, obj))
     state.objects[p.key] = obj
+    state.key_bytes += key_cost(p.key)
     return obj
 
 

@@ -26,6 +26,7 @@ import msgspec
 
 from ..config import is_loopback
 from ..errors import AuthenticationError, ProtocolError
+from ..netguard import MIN_RATE, AcceptBackoff, RateLimitedLog
 from .config import split_hostport
 from .protocol import (
     FLAG_NOTIFY,
@@ -76,8 +77,11 @@ class Conn:
         "authed",
         "closed",
         "closing",
+        "counted",
         "data",
+        "due",
         "nonce",
+        "opened",
         "peer",
         "rbuf",
         "sock",
@@ -94,6 +98,9 @@ class Conn:
         self.data: Any = None  # what the handler attaches (e.g. the server record)
         self.authed = False
         self.nonce = b""
+        self.opened = time.monotonic()
+        self.due = 0.0  # when the frame now arriving must be whole (0: none is arriving)
+        self.counted = 0  # bytes of rbuf counted against the server's in-flight budget
 
 
 Handler = Callable[[Conn, Msg, int], "Msg | None"]
@@ -111,6 +118,13 @@ class FrameServer:
     Anything else first, or a wrong answer, gets an ``UNAUTHORIZED`` error and the connection is
     closed; until then frames over 4 KiB are refused. Without a token the exchange is answered
     "not required", so a client with a token talks to any server.
+
+    Limits against hostile or broken peers: a frame must arrive whole within ``frame_timeout``
+    seconds plus its length at ``MIN_RATE`` (and, with a token, authentication must finish
+    within ``frame_timeout`` of connecting); bytes of unfinished frames, over all connections,
+    stay below ``max_inflight`` (the connection that would pass it is refused); answers a peer
+    does not read stay below ``2 * max_frame``. Buffers grow as bytes arrive, never by what a
+    frame header declares. A failed ``accept()`` (EMFILE...) pauses accepting, backing off.
     """
 
     def __init__(
@@ -124,8 +138,17 @@ class FrameServer:
         max_frame: int = 64 << 20,
         name: str = "mc-store-rpc",
         token: str | None = None,
+        frame_timeout: float = 10.0,
+        max_inflight: int = 256 << 20,
     ) -> None:
         self.handler = handler
+        self.frame_timeout = frame_timeout
+        self.max_inflight = max_inflight
+        self.inflight = 0  # bytes of unfinished frames held, all connections
+        self._backoff = AcceptBackoff(name, log)
+        self._resume_at = 0.0  # accepting is paused until then (0: not paused)
+        self._next_sweep = 0.0
+        self._limit_log = RateLimitedLog(log)
         self.token = token
         self.tick = tick
         self.on_close = on_close
@@ -186,8 +209,16 @@ class FrameServer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                timeout = self.tick() if self.tick is not None else 0.5
-                for key, mask in self._sel.select(max(0.0, min(timeout, 0.5))):
+                timeout = min(self.tick() if self.tick is not None else 0.5, 0.5)
+                now = time.monotonic()
+                if now >= self._next_sweep:
+                    self._sweep(now)
+                if self._resume_at:
+                    if now >= self._resume_at:
+                        self._listen(True)
+                    else:
+                        timeout = min(timeout, self._resume_at - now)
+                for key, mask in self._sel.select(max(0.0, timeout)):
                     if key.data is None:
                         self._accept(self._listener)
                     elif key.data == "unix":
@@ -222,15 +253,31 @@ class FrameServer:
         while self._calls:
             self._calls.popleft()()
 
+    def _listen(self, on: bool) -> None:
+        listeners = [(self._listener, None), (self._unix, "unix")]
+        for sock, tag in listeners:
+            if sock is None:
+                continue
+            if on:
+                self._sel.register(sock, selectors.EVENT_READ, tag)
+            else:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._sel.unregister(sock)
+        self._resume_at = 0.0
+
     def _accept(self, listener: socket.socket) -> None:
-        while True:
+        while not self._resume_at:
             try:
                 sock, addr = listener.accept()
             except BlockingIOError:
                 return
             except OSError as exc:  # EMFILE and the like: keep serving who we have
-                log.warning("%s: accept failed: %s", self.name, exc)
+                # the listener stays readable: selecting it again at once would spin
+                delay = self._backoff.failed(exc)
+                self._listen(False)
+                self._resume_at = time.monotonic() + delay
                 return
+            self._backoff.succeeded()
             sock.setblocking(False)
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -251,16 +298,53 @@ class FrameServer:
         if not data:
             self._close(conn)
             return
+        if conn.closing:  # refused: what else it sends is dropped
+            return
         buf = conn.rbuf
         buf += data
-        pos = 0
+        consumed = self._parse(conn)
+        if conn.closed:
+            return
+        self.inflight += len(buf) - conn.counted
+        conn.counted = len(buf)
+        if not buf:
+            conn.due = 0.0
+        elif self.inflight > self.max_inflight:
+            self._limit_log.warning(
+                "%s: unfinished frames hold %d bytes (limit %d)",
+                self.name,
+                self.inflight,
+                self.max_inflight,
+            )
+            self._refuse(conn, "server busy: too many bytes of unfinished frames")
+        elif consumed or not conn.due:  # a frame started in this read
+            length = PREFIX.unpack_from(buf, 0)[0] if len(buf) >= PREFIX.size else 0
+            conn.due = time.monotonic() + self.frame_timeout + length / MIN_RATE
+
+    def _sweep(self, now: float) -> None:
+        """Close connections that are too slow with a frame or with authenticating."""
+        self._next_sweep = now + min(0.25, self.frame_timeout / 4)
+        auth_by = now - self.frame_timeout
+        for conn in list(self.conns):
+            if conn.due and now > conn.due:
+                if conn.closing:  # a refused peer that does not read its answer
+                    self._close(conn)
+                else:
+                    self._refuse(conn, f"frame not complete within {self.frame_timeout:g}s")
+            elif self.token is not None and not conn.authed and conn.opened < auth_by:
+                self._refuse(conn, f"no authentication within {self.frame_timeout:g}s")
+
+    def _parse(self, conn: Conn) -> int:
+        """Dispatch the whole frames in ``conn.rbuf``; returns how many bytes they took."""
+        buf = conn.rbuf
+        pos: int = 0
         n = len(buf)
         while n - pos >= PREFIX.size and not conn.closing:
             (length,) = PREFIX.unpack_from(buf, pos)
             limit = self.max_frame if conn.authed or self.token is None else _PRE_AUTH_FRAME
             if length > limit or length < HEADER.size:
                 self._refuse(conn, f"frame of {length} bytes refused (limit {limit})")
-                return
+                return pos
             end = pos + PREFIX.size + length
             if end > n:
                 break
@@ -270,10 +354,11 @@ class FrameServer:
             if magic != MAGIC:
                 body.release()
                 self._refuse(conn, "not a mooncake-connectors store frame (bad magic)")
-                return
+                return pos
             self._dispatch(conn, version, flags, req_id, body)
         if pos:
             del buf[:pos]
+        return pos
 
     def _dispatch(self, conn: Conn, version: int, flags: int, req_id: int, body: Any) -> None:
         reply: Msg | None
@@ -331,6 +416,9 @@ class FrameServer:
         self.send(conn, frame(Err(int(Code.PROTOCOL), why), 0))
         conn.closing = True
         conn.rbuf.clear()
+        self.inflight -= conn.counted
+        conn.counted = 0
+        conn.due = time.monotonic() + self.frame_timeout  # to take up the answer
         if not conn.wbuf:
             self._close(conn)
 
@@ -341,6 +429,10 @@ class FrameServer:
         if conn.closed:
             return
         if conn.wbuf:
+            if len(conn.wbuf) > 2 * self.max_frame:  # it does not read its answers
+                self._limit_log.warning("%s: %s reads no answers; closing it", self.name, conn.peer)
+                self._close(conn)
+                return
             conn.wbuf += data
             return
         try:
@@ -374,6 +466,8 @@ class FrameServer:
             return
         conn.closed = True
         self.conns.discard(conn)
+        self.inflight -= conn.counted
+        conn.counted = 0
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         conn.sock.close()

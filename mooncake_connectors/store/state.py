@@ -36,6 +36,7 @@ from .records import (
     Pending,
     Segment,
     Server,
+    key_cost,
     pack,
 )
 
@@ -59,6 +60,7 @@ class MasterState:
         self.recent: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
         self.reserved: dict[int, Pending] = {}  # reservation id -> allocation
         self.reserved_bytes = 0  # memory the reservations hold (capped: eviction cannot free it)
+        self.key_bytes = 0  # key_cost of every key in objects and pending (cfg.key_budget)
         self.segments: dict[int, Segment] = {}
         self.seg_by_name: dict[str, Segment] = {}
         self.servers: dict[str, Server] = {}
@@ -336,6 +338,7 @@ class MasterState:
         """Forget ``key`` now; its memory is freed once no read lease protects it."""
         if self.objects.get(key) is obj:
             del self.objects[key]
+            self.key_bytes -= key_cost(key)
         self._free_memory(key, obj, now, force, notify)
         ex = obj.extra
         if ex is not None and ex.disk is not None:
@@ -512,6 +515,11 @@ class MasterState:
                     out.append([])
                     continue
                 self._expire(key, p)
+            if not self.key_room(key, now):
+                self.counters["put_failures"] += 1
+                codes.append(Code.NO_SPACE)
+                out.append([])
+                continue
             placed = self.allocate(size, nrep, preferred, now)
             if isinstance(placed, Code):
                 self.counters["put_failures"] += 1
@@ -520,6 +528,7 @@ class MasterState:
                 continue
             locs, got = placed
             self.pending[key] = Pending(put_id, size, locs, got, flags, ttl_ms, deadline)
+            self.key_bytes += key_cost(key)
             codes.append(Code.OK)
             out.append(self._copies(locs, got))
         return codes, out
@@ -537,8 +546,26 @@ class MasterState:
             stripes.append(copies)
         return stripes
 
+    def key_room(self, key: str, now: float) -> bool:
+        """Whether ``key`` fits the key budget, evicting LRU objects (bounded) to make it fit.
+        A spilled victim keeps its key (its SSD copy), so it frees no key bytes."""
+        over = self.key_bytes + key_cost(key) - self.cfg.key_budget
+        if over <= 0:
+            return True
+        if self.recovering(now):
+            return False
+        for soft in (False, True):
+            for victim in eviction.victims(self, now, soft, eviction.EVICT_SCAN):
+                before = self.key_bytes
+                eviction.evict(self, victim, now)
+                over -= before - self.key_bytes
+                if over <= 0:
+                    return True
+        return False
+
     def _expire(self, key: str, p: Pending) -> None:
         del self.pending[key]
+        self.key_bytes -= key_cost(key)
         self.counters["expired_puts"] += 1
         self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)
 
@@ -547,6 +574,7 @@ class MasterState:
             p = self.pending.get(key)
             if p is not None and p.put_id == put_id:
                 del self.pending[key]
+                self.key_bytes -= key_cost(key)
                 self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)
         codes: list[int] = []
         for key in commit:
@@ -555,6 +583,7 @@ class MasterState:
                 codes.append(Code.PUT_EXPIRED)
                 continue
             del self.pending[key]
+            self.key_bytes -= key_cost(key)
             codes.append(self._commit(key, p, now))
         return codes
 
@@ -589,6 +618,7 @@ class MasterState:
             if p.ttl_ms:
                 heapq.heappush(self._ttl_heap, (obj.extra.ttl, next(self._seq), key, obj))
         self.objects[key] = obj
+        self.key_bytes += key_cost(key)
         self.note_holdings(key, obj, p.put_id)
         self.counters["puts"] += 1
         self.committed(p.put_id, key)
@@ -653,6 +683,8 @@ class MasterState:
             if (rid, key) in self.recent:
                 return Code.OK, p.nrep  # (defensive: a reservation commits once, then is gone)
             return Code.EXISTS, p.nrep
+        if not self.key_room(key, now):
+            return Code.NO_SPACE, p.nrep  # the reservation stays for the client's next put
         del self.reserved[rid]
         self.reserved_bytes -= _held(p.size, p.nrep)
         p.flags, p.ttl_ms = flags, ttl_ms
@@ -732,6 +764,7 @@ class MasterState:
             keys=len(self.objects),
             pending_puts=len(self.pending),
             reserved=len(self.reserved),
+            key_bytes=self.key_bytes,
             capacity_bytes=self.capacity(),
             used_bytes=self.used(),
             segments=len(self.segments),

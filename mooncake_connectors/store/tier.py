@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .allocator import aligned
 from .protocol import SSD_HEADER, stripe_bounds
-from .records import MASK, PROMOTING, SHIFT, SPILLING, Extra, Obj, Server, pack
+from .records import MASK, PROMOTING, SHIFT, SPILLING, Extra, Obj, Server, key_cost, pack
 
 if TYPE_CHECKING:
     from .state import MasterState
@@ -183,6 +183,7 @@ def drop_file_owner(st: MasterState, rec: Server, fid: int, counter: str = "ssd_
     ex.disk = None
     if not obj.locs:
         del st.objects[key]
+        st.key_bytes -= key_cost(key)
 
 
 def touch(st: MasterState, disk: tuple[tuple[str, int], ...]) -> None:

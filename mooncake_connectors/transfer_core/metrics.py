@@ -7,7 +7,6 @@ costs microseconds per call.
 from __future__ import annotations
 
 import functools
-import http.server
 import socket
 import threading
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 
 from ..config import bearer_ok, info_needs_token
+from ..netguard import GuardedHandler, GuardedHTTPServer
 
 BYTES = Counter(
     "mooncake_connectors_transfer_bytes", "Bytes moved by completed slices", ["transport", "op"]
@@ -72,7 +72,7 @@ def serve(host: str, port: int, token: str | None = None) -> None:
             return
         guarded = info_needs_token(host, token)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(GuardedHandler):
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
@@ -87,8 +87,7 @@ def serve(host: str, port: int, token: str | None = None) -> None:
                 self.end_headers()
                 self.wfile.write(body)
 
-        class Server(http.server.ThreadingHTTPServer):
-            daemon_threads = True
+        class Server(GuardedHTTPServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
         srv = Server((host, port), Handler)

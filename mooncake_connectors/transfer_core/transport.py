@@ -15,17 +15,35 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+import msgspec
 
 from ..config import EngineConfig
-from ..errors import MooncakeConnectorsError
+from ..errors import AccessViolation, ConfigError, MooncakeConnectorsError
 from ..plugins import TRANSPORT_GROUP, Registry
-from ..types import TransferOp
+from ..types import LocationKind, TransferOp
 from .descriptor import RegionDesc, SegmentDesc
 
 if TYPE_CHECKING:
-    from .memory import LocalSegment
+    from .memory import LocalSegment, Region
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class TransportSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of a transport's own settings. A transport declares a subclass as ``Settings``; the
+    values come from ``EngineConfig.transport_settings[name]`` and unknown keys are refused."""
+
+
+def load_settings(cls: type[S], name: str, config: EngineConfig) -> S:
+    """``config.transport_settings[name]`` as ``cls``; ConfigError naming the bad key."""
+    raw = config.transport_settings.get(name, {})
+    try:
+        return msgspec.convert(dict(raw), cls)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"transport_settings[{name!r}]: {exc}", transport=name) from None
 
 
 class Slice:
@@ -39,6 +57,7 @@ class Slice:
         "lane",
         "length",
         "local_addr",
+        "local_device",
         "local_mv",
         "op",
         "path",
@@ -58,6 +77,7 @@ class Slice:
         self.op = op
         self.local_addr = local_addr
         self.local_mv: memoryview | None = None  # view of the local bytes, set by the engine
+        self.local_device = -1  # CUDA ordinal when the local memory is a GPU's, else -1
         self.remote_addr = remote_addr
         self.region: RegionDesc | None = None  # the peer's region the engine resolved
         self.length = length
@@ -69,8 +89,15 @@ class Slice:
         self._done = False
 
     def local_view(self) -> memoryview:
-        """The local bytes of this slice (checked against the local registration already)."""
+        """The local bytes of this slice (checked against the local registration already).
+
+        Host memory only: a GPU address read as host memory would crash the process."""
         if self.local_mv is None:
+            if self.local_device >= 0:
+                raise AccessViolation(
+                    f"{self.local_addr:#x} is GPU memory; this transport moves host memory only",
+                    path=self.path or None,
+                )
             from .memory import view
 
             self.local_mv = view(self.local_addr, self.length)
@@ -97,9 +124,13 @@ class Transport(abc.ABC):
     """Base class of transports. Subclasses set ``name`` and implement the abstract methods."""
 
     name: ClassVar[str]
+    # This transport's settings; subclasses with settings of their own override it.
+    Settings: ClassVar[type[TransportSettings]] = TransportSettings
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        # Checked for every transport, so a misspelt key fails at start, not on first use.
+        load_settings(self.Settings, self.name, ctx.config)
 
     @abc.abstractmethod
     def start(self) -> dict[str, str]:
@@ -108,6 +139,28 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
         """Can this transport move data to/from ``region`` of ``peer``? Must be cheap."""
+
+    def serves(self, local: LocationKind, remote: LocationKind) -> bool:
+        """Can this transport move bytes between local memory of kind ``local`` and remote
+        memory of kind ``remote``? Host memory on both ends unless a transport says more."""
+        return local is LocationKind.CPU and remote is LocationKind.CPU
+
+    def describe_segment(self) -> Mapping[str, object]:
+        """Fields this transport adds to the published SegmentDesc (e.g. RDMA GIDs).
+
+        Called on every publish, after ``start``. Keys are SegmentDesc field names other than
+        the engine's own (name, host_id, pid, version, epoch, endpoints, regions, auth); a dict
+        field may be filled by several transports as long as their keys do not collide.
+        """
+        return {}
+
+    def describe_region(self, region: Region) -> Mapping[str, object]:
+        """Fields this transport adds to ``region``'s RegionDesc (memfd, IPC handle, rkeys).
+
+        Called on every publish for every registered region; cache per region what is costly
+        to compute. Keys are RegionDesc field names other than addr, length, location, access.
+        """
+        return {}
 
     def lanes(self, peer: SegmentDesc) -> int:
         """Independent paths to ``peer`` (failover moves a slice to another lane)."""

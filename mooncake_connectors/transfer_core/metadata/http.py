@@ -15,7 +15,6 @@ The token travels in clear text: it keeps out those who cannot see the traffic, 
 from __future__ import annotations
 
 import http.client
-import http.server
 import logging
 import sys
 import threading
@@ -25,6 +24,7 @@ import msgspec
 
 from ...config import EngineConfig, bearer_ok, info_needs_token, is_loopback
 from ...errors import ConfigError, MetadataError
+from ...netguard import HTTP_REQUEST_TIMEOUT, GuardedHandler, GuardedHTTPServer
 from ...plugins import hookimpl
 from .base import MetadataBackend
 
@@ -34,7 +34,7 @@ MAX_VALUE = 64 * 1024 * 1024
 _list_codec = msgspec.msgpack.Decoder(dict[str, bytes])
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(GuardedHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
 
@@ -127,14 +127,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._reply(200 if found else 404)
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(GuardedHTTPServer):
     allow_reuse_address = True
 
     def __init__(
-        self, addr: tuple[str, int], path: str, token: str | None, writable: bool = True
+        self,
+        addr: tuple[str, int],
+        path: str,
+        token: str | None,
+        writable: bool = True,
+        request_timeout: float = HTTP_REQUEST_TIMEOUT,
     ) -> None:
-        super().__init__(addr, _Handler)
+        super().__init__(addr, _Handler, request_timeout)
         self.host = addr[0]
         self.path = path.rstrip("/") or "/"
         self.token = token
@@ -154,10 +158,12 @@ class MetadataHTTPServer:
         path: str = "/metadata",
         token: str | None = None,
         writable: bool = True,
+        request_timeout: float = HTTP_REQUEST_TIMEOUT,
     ) -> None:
         if not path.startswith("/"):
             raise ConfigError(f"metadata path must start with '/', got {path!r}")
-        self._srv = _Server((host, port), path, token, writable)
+        # request_timeout: a whole request (line, headers, body) must arrive within it
+        self._srv = _Server((host, port), path, token, writable, request_timeout)
         if not token and not is_loopback(host):
             log.warning(
                 "metadata server bound to %s without a token: anyone who reaches it can read "

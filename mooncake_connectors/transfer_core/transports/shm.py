@@ -25,13 +25,17 @@ import queue
 import select
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ...errors import AccessViolation, MetadataError, TransportBroken, TransportClosed
 from ...plugins import hookimpl
 from ...types import Access, LocationKind, TransferOp
 from ..descriptor import RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
+
+if TYPE_CHECKING:
+    from ..memory import Region
 
 log = logging.getLogger(__name__)
 _READ = int(Access.READ)
@@ -92,6 +96,12 @@ class _Mapping:
         self._pin = ctypes.c_char.from_buffer(self.mm)
         self.base = ctypes.addressof(self._pin)
 
+    def close(self) -> None:
+        del self._pin
+        # A view may still be alive somewhere; then the mapping goes with its last view.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
 
 class ShmTransport(Transport):
     name = "shm"
@@ -121,6 +131,15 @@ class ShmTransport(Transport):
             t.start()
             self._workers.append(t)
         return {"shm": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
+
+    def describe_region(self, region: Region) -> Mapping[str, object]:
+        if region.memfd < 0:
+            return {}
+        return {
+            "memfd": region.memfd,
+            "memfd_inode": region.memfd_inode,
+            "memfd_offset": region.memfd_offset,
+        }
 
     def local_changed(self, epoch: int) -> None:
         if self._epoch_map is not None and not self._closed:
@@ -288,9 +307,7 @@ class ShmTransport(Transport):
             maps = list(self._maps.values())
             self._maps.clear()
         for m in maps:
-            del m._pin
-            with contextlib.suppress(BufferError):
-                m.mm.close()
+            m.close()
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()

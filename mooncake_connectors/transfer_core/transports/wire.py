@@ -14,6 +14,8 @@ before any request is sent. HELLO keeps its version-1 layout so that peers of ei
 read each other's version and fail with a clear mismatch.
 Then pipelined requests, answered in order:
     request  <IBBHQQQ  REQ_MAGIC, op, 0, 0, request id, remote address, length [+ payload if WRITE]
+                       (OP_CONTROL: address 0, length and payload of a control message, answered
+                       with the listener's reply as payload; used by rdma's connect exchange)
     response <IBBHQQ   RESP_MAGIC, status, 0, 0, request id, length [+ payload: READ data, or an
                        utf-8 error message when status != OK]
 """
@@ -24,6 +26,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
@@ -41,6 +44,8 @@ RESP_MAGIC = 0x4D435250  # "MCRP"
 OP_READ = 0
 OP_WRITE = 1
 OP_PING = 2
+OP_CONTROL = 3  # a control message (payload: msgpack) for a transport's own exchange
+MAX_CONTROL = 64 * 1024
 
 ST_OK = 0
 ST_ACCESS = 1
@@ -93,6 +98,60 @@ def recv_exact(
         got += k
         if got < n and progress is not None:
             progress()
+
+
+def recv_until(sock: socket.socket, buf: memoryview, deadline: float) -> None:
+    """Fill ``buf`` by ``deadline`` (monotonic), else TimeoutError: a per-recv timeout alone
+    lets a peer trickling one byte at a time hold the connection forever. The socket has a
+    per-recv timeout (settimeout or SO_RCVTIMEO) so each recv returns in time to check."""
+    n = len(buf)
+    got = 0
+    per_recv = sock.gettimeout()  # None: blocking, SO_RCVTIMEO bounds each recv
+    try:
+        while got < n:
+            if per_recv is not None:  # never wait past the deadline
+                sock.settimeout(max(0.001, min(per_recv, deadline - time.monotonic())))
+            try:
+                k = sock.recv_into(buf[got:], n - got, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError):
+                k = -1
+            if k == 0:
+                raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+            got += max(k, 0)
+            if got < n and time.monotonic() >= deadline:
+                raise TimeoutError(f"only {got} of {n} bytes arrived within the deadline")
+    finally:
+        if per_recv is not None:
+            sock.settimeout(per_recv)
+
+
+def send_until(sock: socket.socket, bufs: list[memoryview | bytes], deadline: float) -> None:
+    """``sendmsg_all`` for a socket with SO_SNDTIMEO: TimeoutError at ``deadline`` when the
+    peer stops reading."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        try:
+            sent = sock.sendmsg(bufs[:1024])
+        except (BlockingIOError, TimeoutError):
+            sent = 0
+        while sent:
+            first = bufs[0]
+            if sent >= len(first):
+                sent -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = memoryview(first)[sent:]
+                sent = 0
+        if bufs and time.monotonic() >= deadline:
+            raise TimeoutError("the peer did not read the answer within the deadline")
+
+
+def set_io_tick(sock: socket.socket, seconds: float) -> None:
+    """Kernel-side timeouts on a blocking socket: each recv/send returns within ``seconds``
+    (with what it has, or EAGAIN), with no poll() per call as ``settimeout`` would add."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def sendmsg_all(

@@ -1,0 +1,160 @@
+"""What every listening port shares: accept back-off, rate-limited logs, whole-request deadlines.
+
+A listener must outlive a burst of ``accept()`` failures (EMFILE when connections exhaust the
+descriptor limit, ENOBUFS, ECONNABORTED, a firewall's EPERM...): only a closed listener ends its
+loop. Retrying at once would spin (a level-triggered listener stays readable while the kernel
+queue is full), so failures back off exponentially from ``BACKOFF_MIN`` to ``BACKOFF_MAX`` and are
+logged at most once per ``LOG_EVERY`` seconds, with how many were not logged.
+
+A per-``recv`` timeout does not stop a client sending one byte per second: request deadlines here
+cover a whole request (request line, headers and body), from its first byte.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.server
+import io
+import logging
+import socket
+import time
+from typing import Any
+
+BACKOFF_MIN = 0.01
+BACKOFF_MAX = 1.0
+LOG_EVERY = 10.0
+BACKLOG = min(socket.SOMAXCONN, 4096)
+MIN_RATE = 1 << 20  # bytes/s a request's payload must at least arrive at, beyond its grace time
+HTTP_REQUEST_TIMEOUT = 10.0  # a whole HTTP request, from its first byte
+HTTP_IDLE_TIMEOUT = 60.0  # a keep-alive connection with no request started
+
+# errno values that say the listener itself is gone (closed, shut down, never listening)
+_CLOSED = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
+
+
+def listener_closed(exc: OSError) -> bool:
+    return exc.errno in _CLOSED
+
+
+class RateLimitedLog:
+    """A warning at most once per ``every`` seconds; the lines it held back are counted."""
+
+    def __init__(self, logger: logging.Logger, every: float = LOG_EVERY) -> None:
+        self.logger = logger
+        self.every = every
+        self._next = 0.0
+        self._held = 0
+
+    def warning(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._held += 1
+            return
+        held, self._held = self._held, 0
+        self._next = now + self.every
+        if held:
+            self.logger.warning(fmt + " (%d similar not logged)", *args, held)
+        else:
+            self.logger.warning(fmt, *args)
+
+
+class AcceptBackoff:
+    """How long a listener waits after a failed ``accept()``; doubles per failure in a row."""
+
+    def __init__(self, name: str, logger: logging.Logger) -> None:
+        self.name = name
+        self.log = RateLimitedLog(logger)
+        self.delay = 0.0
+        self.failures = 0  # in a row
+
+    def failed(self, exc: OSError) -> float:
+        self.failures += 1
+        self.delay = min(BACKOFF_MAX, max(BACKOFF_MIN, 2 * self.delay))
+        self.log.warning("%s: accept failed (%s); retrying in %.3gs", self.name, exc, self.delay)
+        return self.delay
+
+    def succeeded(self) -> None:
+        if self.failures:
+            self.log.logger.info(
+                "%s: accepting again after %d failed accept(s)", self.name, self.failures
+            )
+            self.failures = 0
+            self.delay = 0.0
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket as a raw stream whose reads stop at the current request's deadline."""
+
+    def __init__(self, sock: socket.socket, handler: GuardedHandler) -> None:
+        self.sock = sock
+        self.handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        h = self.handler
+        idle = h.timeout or HTTP_IDLE_TIMEOUT
+        if h.deadline is None:  # waiting for a request to start: the idle timeout applies
+            self.sock.settimeout(idle)
+            n = self.sock.recv_into(b)
+            h.deadline = time.monotonic() + h.request_timeout
+            return n
+        left = h.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request not complete within its deadline")
+        self.sock.settimeout(min(left, idle))
+        try:
+            return self.sock.recv_into(b)
+        finally:
+            self.sock.settimeout(idle)  # answers are written under the idle timeout
+
+
+class GuardedHandler(http.server.BaseHTTPRequestHandler):
+    """A request handler whose requests must arrive whole within the server's
+    ``request_timeout``."""
+
+    timeout = HTTP_IDLE_TIMEOUT
+    request_timeout = HTTP_REQUEST_TIMEOUT
+    deadline: float | None = None
+
+    def setup(self) -> None:
+        super().setup()
+        self.request_timeout = getattr(self.server, "request_timeout", HTTP_REQUEST_TIMEOUT)
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
+
+    def handle_one_request(self) -> None:
+        self.deadline = None
+        super().handle_one_request()
+
+
+class GuardedHTTPServer(http.server.ThreadingHTTPServer):
+    """A threading HTTP server with a deep backlog that survives ``accept()`` failures."""
+
+    daemon_threads = True
+    request_queue_size = BACKLOG
+
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        handler: type[GuardedHandler],
+        request_timeout: float = HTTP_REQUEST_TIMEOUT,
+    ) -> None:
+        super().__init__(addr, handler)
+        self.request_timeout = request_timeout
+        self.accept_backoff = AcceptBackoff(f"http {addr[0]}:{self.server_address[1]}", _log)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            got = super().get_request()
+        except OSError as exc:
+            # serve_forever drops the error and selects again; without a pause the listener,
+            # still readable, would spin
+            if not listener_closed(exc):
+                time.sleep(self.accept_backoff.failed(exc))
+            raise
+        self.accept_backoff.succeeded()
+        return got
+
+
+_log = logging.getLogger(__name__)
