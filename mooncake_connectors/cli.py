@@ -327,7 +327,11 @@ def demo(
     interval: Annotated[
         float,
         typer.Option(min=0.0, help="Seconds between the overlapping run's prompts."),
-    ] = 0.3,
+    ] = 0.1,
+    layers: Annotated[int, typer.Option(min=1, max=64, help="Layers of the local model.")] = 4,
+    hidden: Annotated[
+        int, typer.Option(min=64, max=4096, help="Hidden size of the local model (x64).")
+    ] = 256,
     store: Annotated[
         bool,
         typer.Option(help="Start the store; the prefill engine saves to it and loads from it."),
@@ -364,6 +368,8 @@ def demo(
                 max_prompt_tokens=max_prompt_tokens,
                 max_tokens=max_tokens,
                 interval=interval,
+                layers=layers,
+                hidden=hidden,
                 store=store,
                 work_dir=Path(work_dir) if work_dir else None,
                 say=say,
