@@ -192,6 +192,10 @@ def test_bench_store_emits_json() -> None:
     assert result["benchmark"] == "store"
     assert result["results"]["get 4K"]["ours"]["ops_s"] > 0
     assert result["results"]["put_batch 8x4K"]["ours"]["gb_s"] > 0
+    # ours runs twice in one window: defaults, and TCP only (data and control)
+    assert result["results"]["get 4K"]["ours-tcp"]["ops_s"] > 0
+    assert result["systems"] == {"ours": "shm,tcp", "ours-tcp": "tcp"}
+    assert len(result["load_average"]) == 3
 
 
 def test_large_values_go_direct_and_the_same_buffer_twice_is_fine(store: StoreClient) -> None:

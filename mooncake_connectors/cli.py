@@ -344,11 +344,19 @@ def proxy(
 @app.command()
 def demo(
     prompts: Annotated[int, typer.Option(min=1, max=64, help="Prompts sent each way.")] = 8,
-    min_tokens: Annotated[int, typer.Option(min=1, help="Shortest prompt, in tokens.")] = 300,
+    min_tokens: Annotated[int, typer.Option(min=1, help="Shortest prompt, in tokens.")] = 1024,
     max_prompt_tokens: Annotated[
         int, typer.Option(min=1, max=8192, help="Longest prompt, in tokens.")
-    ] = 1500,
+    ] = 4096,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 32,
+    interval: Annotated[
+        float,
+        typer.Option(min=0.0, help="Seconds between the overlapping run's prompts."),
+    ] = 0.1,
+    layers: Annotated[int, typer.Option(min=1, max=64, help="Layers of the local model.")] = 4,
+    hidden: Annotated[
+        int, typer.Option(min=64, max=4096, help="Hidden size of the local model (x64).")
+    ] = 256,
     store: Annotated[
         bool,
         typer.Option(help="Start the store; the prefill engine saves to it and loads from it."),
@@ -384,6 +392,9 @@ def demo(
                 min_tokens=min_tokens,
                 max_prompt_tokens=max_prompt_tokens,
                 max_tokens=max_tokens,
+                interval=interval,
+                layers=layers,
+                hidden=hidden,
                 store=store,
                 work_dir=Path(work_dir) if work_dir else None,
                 say=say,
@@ -497,6 +508,10 @@ def store_server(
             help="Shared secret every control and data connection must prove (>= 8 characters).",
         ),
     ] = None,
+    transports: Annotated[
+        str,
+        typer.Option(help="Transports, in preference order; without shm, control is TCP too."),
+    ] = _DEFAULT_TRANSPORTS,
     verbose: Verbose = 0,
 ) -> None:
     """Contribute memory (and SSD) to the store and hold the data, in the foreground."""
@@ -504,6 +519,7 @@ def store_server(
     import signal
     import threading
 
+    from .config import parse_transports
     from .store.config import ServerConfig, parse_size
     from .store.server import StoreServer
 
@@ -515,6 +531,7 @@ def store_server(
         ssd_size=parse_size(ssd_size),
         metadata=metadata,
         auth_token=auth_token,
+        transports=parse_transports(transports),
     )
     server = StoreServer(cfg).start()
     typer.echo(json.dumps({"segment": server.segment, "pid": os.getpid()}), err=True)
@@ -677,6 +694,9 @@ def bench_vllm_pd(
     push: Annotated[
         bool, typer.Option(help="Also run ours with layer-wise push (both legs at once).")
     ] = True,
+    tcp_only: Annotated[
+        bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
+    ] = True,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -697,6 +717,7 @@ def bench_vllm_pd(
             work_dir=Path(work_dir) if work_dir else None,
             transports=tuple(_csv(transports)),
             push=push,
+            tcp_only=tcp_only,
             progress=advance,
         )
     _emit(result, output)
@@ -716,6 +737,12 @@ def bench_vllm_store(
         bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
     ] = False,
     transports: OurTransports = _DEFAULT_TRANSPORTS,
+    tcp_only: Annotated[
+        bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
+    ] = True,
+    baseline: Annotated[
+        bool, typer.Option(help="Also run engines without a KV connector (cold-request cost).")
+    ] = True,
     layers: Layers = 4,
     kv_heads: KvHeads = 4,
     memory: Annotated[str, typer.Option(help="Memory of each system's store server.")] = "2G",
@@ -741,6 +768,8 @@ def bench_vllm_store(
             with_ours=ours,
             with_ours_async=ours_async,
             transports=tuple(_csv(transports)),
+            tcp_only=tcp_only,
+            baseline=baseline,
             layers=layers,
             kv_heads=kv_heads,
             memory=memory,
@@ -835,21 +864,34 @@ def bench_store(
     mooncake: Annotated[
         bool, typer.Option(help="Also run Mooncake's master and store when installed.")
     ] = True,
+    ours: Annotated[
+        str,
+        typer.Option(
+            help="Our variants, in one window: ours (shm+tcp, unix-socket control), ours-tcp "
+            "(TCP only, data and control: like for like with Mooncake's tcp)."
+        ),
+    ] = "ours,ours-tcp",
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """Master, data owner and client as separate processes; ours and Mooncake's, interleaved."""
     _setup_logging(verbose)
     from .bench.store import run_store_benchmark
+    from .errors import ConfigError
 
-    result = run_store_benchmark(
-        rounds=rounds,
-        sizes=sizes,
-        batches=batches,
-        memory=memory,
-        scale=scale,
-        with_mooncake=mooncake,
-    )
+    try:
+        result = run_store_benchmark(
+            rounds=rounds,
+            sizes=sizes,
+            batches=batches,
+            memory=memory,
+            scale=scale,
+            with_mooncake=mooncake,
+            ours=tuple(_csv(ours)),
+        )
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     _emit(result, output)
 
 

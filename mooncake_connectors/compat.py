@@ -8,18 +8,25 @@
 Same method names, argument order and return conventions: 0 on success and a negative value on
 failure (the reason is logged), addresses as ints. ``metadata_server`` accepts Mooncake's forms:
 ``"P2PHANDSHAKE"``, ``"http://HOST:PORT/metadata"``, ``"etcd://HOST:PORT"`` or a bare
-``"HOST:PORT"`` (etcd, as Mooncake reads it). ``protocol`` ``"tcp"`` enables our ``shm`` and
-``tcp`` transports (shm is used only for same-host peers); ``"rdma"`` needs the rdma transport.
+``"HOST:PORT"`` (etcd, as Mooncake reads it).
+
+Transports: ``protocol="tcp"`` enables our ``shm`` *and* ``tcp`` transports: a peer on the same
+host is reached through shared memory (a memcpy, no socket), any other over TCP. Mooncake's
+``tcp`` has no such shortcut, so for TCP only, as Mooncake's ``tcp`` behaves, set
+``MOONCAKE_CONNECTORS_TRANSPORTS=tcp`` (or pass ``TransferEngine(transports="tcp")``); the list
+given there replaces what ``protocol`` would enable, in preference order. ``"rdma"`` enables
+``shm``, ``rdma`` and ``tcp`` and needs the rdma transport installed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from .compat_store import finalize, metadata_url, unsupported
-from .config import DEFAULT_TRANSPORTS, EngineConfig
+from .config import DEFAULT_TRANSPORTS, EngineConfig, parse_transports, transports_from_env
 from .errors import MooncakeConnectorsError
 from .transfer_core.engine import TransferEngine as _Engine
 from .transfer_core.engine import TransferRequest
@@ -38,12 +45,27 @@ def _location(location: str) -> str | None:
     return None if location in ("", "*") else location
 
 
-class TransferEngine:
-    """Mooncake's ``mooncake.engine.TransferEngine`` API over our engine."""
+def _transports(explicit: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    """The explicit list, else ``MOONCAKE_CONNECTORS_TRANSPORTS``, else None (protocol's)."""
+    if explicit is None:
+        return transports_from_env()
+    text = explicit if isinstance(explicit, str) else ",".join(explicit)
+    return parse_transports(text)
 
-    def __init__(self) -> None:
+
+class TransferEngine:
+    """Mooncake's ``mooncake.engine.TransferEngine`` API over our engine.
+
+    ``transports`` (not in Mooncake's API; default: ``MOONCAKE_CONNECTORS_TRANSPORTS``, else what
+    ``protocol`` enables): our transports in preference order, e.g. ``"tcp"`` for TCP only. With
+    ``protocol="tcp"`` and neither set, same-host peers are reached through shared memory.
+    """
+
+    def __init__(self, transports: Sequence[str] | str | None = None) -> None:
         self._engine: _Engine | None = None
         self._managed: dict[int, SharedBuffer] = {}
+        # Checked here so a bad list fails loudly at construction, not as -1 from initialize.
+        self._transports = _transports(transports)
 
     def _fail(self, what: str, exc: Exception) -> int:
         log.error("%s failed: %s", what, exc)
@@ -57,6 +79,7 @@ class TransferEngine:
         transports = _PROTOCOLS.get(protocol.lower())
         if transports is None:
             return self._fail("initialize", ValueError(f"unsupported protocol {protocol!r}"))
+        transports = self._transports or transports
         host, _, port = local_hostname.partition(":")
         try:
             url = metadata_url(metadata_server)

@@ -11,6 +11,12 @@ number removed; a put of an existing key returns 0 and keeps the stored value (a
 Two deliberate differences: a value of 0 bytes can be stored (Mooncake refuses it with -600), and
 ``remove`` of a key a reader just leased succeeds — the key disappears at once and its memory is
 reused when the lease ends (Mooncake answers -706 until the lease expires).
+
+Transports: ``protocol="tcp"`` enables our ``shm`` and ``tcp`` transports, and with ``shm`` the
+same-host shortcuts: values move through shared memory when the client and the data owner share
+a host, and control messages to a loopback master or server take an abstract unix socket.
+Mooncake's ``tcp`` has neither. For TCP only (data and control), pass ``transports="tcp"`` to
+``setup`` (a keyword, or a key of the dict form) or set ``MOONCAKE_CONNECTORS_TRANSPORTS=tcp``.
 """
 
 from __future__ import annotations
@@ -143,7 +149,12 @@ class MooncakeDistributedStore:
     # -- setup ------------------------------------------------------------------------------
     def setup(self, *args: Any, **kwargs: Any) -> int:
         """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
-        protocol, rdma_devices, master_server_addr, engine=None, ...)`` or ``setup(dict)``."""
+        protocol, rdma_devices, master_server_addr, engine=None, ...)`` or ``setup(dict)``.
+
+        Beyond Mooncake's arguments, ``transports`` (keyword or dict key): our transports in
+        preference order, ``"tcp"``, ``"shm,tcp"`` or a list of names; default
+        ``MOONCAKE_CONNECTORS_TRANSPORTS``, else ``shm,tcp``. Without ``shm`` nothing takes a
+        same-host shortcut: data and control messages go over (loopback) TCP."""
         if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
             conf = dict(args[0])
         else:
@@ -164,12 +175,21 @@ class MooncakeDistributedStore:
         if self._client is not None:
             return self._fail("setup", RuntimeError("already set up"))
         try:
-            from .config import store_token_from_env
+            from .config import parse_transports, store_token_from_env, transports_from_env
             from .store.client import StoreClient
             from .store.config import ClientConfig
 
             if str(conf.get("protocol", "tcp")).lower() != "tcp":
                 raise ConfigError(f"protocol {conf.get('protocol')!r}: only 'tcp' is supported")
+            given = conf.get("transports")
+            if given is None:
+                transports = transports_from_env() or ("shm", "tcp")
+            elif isinstance(given, str):
+                transports = parse_transports(given)
+            elif isinstance(given, (list, tuple)) and all(isinstance(t, str) for t in given):
+                transports = parse_transports(",".join(given))
+            else:
+                raise ConfigError(f"transports must be a string or a list of names: {given!r}")
             host = str(conf.get("local_hostname") or "127.0.0.1").rpartition(":")
             hostname = (host[0] or host[2]) if host[2].isdigit() else "".join(host)
             cfg = ClientConfig(
@@ -178,6 +198,7 @@ class MooncakeDistributedStore:
                 global_segment_size=int(conf.get("global_segment_size", 16 << 20)),
                 local_buffer_size=max(4096, int(conf.get("local_buffer_size", 16 << 20))),
                 metadata=_metadata(str(conf.get("metadata_server") or "")),
+                transports=transports,
                 # Mooncake's setup() has no token argument: the environment carries it.
                 auth_token=str(conf.get("auth_token") or store_token_from_env() or "") or None,
             )

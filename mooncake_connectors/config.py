@@ -40,6 +40,26 @@ def for_gpu(transports: tuple[str, ...]) -> tuple[str, ...]:
     return transports
 
 
+TRANSPORTS_ENV = "MOONCAKE_CONNECTORS_TRANSPORTS"
+
+
+def parse_transports(text: str, what: str = "transports") -> tuple[str, ...]:
+    """``"tcp"`` or ``"shm,tcp"``: names in preference order; ConfigError if empty or repeated."""
+    names = tuple(t.strip().lower() for t in text.split(",") if t.strip())
+    if not names:
+        raise ConfigError(f"{what} must name at least one transport, got {text!r}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{what} lists a transport twice: {text!r}")
+    return names
+
+
+def transports_from_env(env: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """The transport list ``MOONCAKE_CONNECTORS_TRANSPORTS`` sets (None when unset): how the
+    Mooncake facades, whose API has no place for it, are told to use e.g. TCP only."""
+    raw = (os.environ if env is None else env).get(TRANSPORTS_ENV, "")
+    return parse_transports(raw, f"environment variable {TRANSPORTS_ENV}") if raw.strip() else None
+
+
 def store_token_from_env() -> str | None:
     """The store's shared secret for callers whose API has no place for it (Mooncake's)."""
     return os.environ.get(STORE_TOKEN_ENV) or None

@@ -93,10 +93,14 @@ def cluster(tiny_model: Path, log_dir: Path) -> Iterator[Cluster]:
         tiny_model,
         core=0,
         kv_transfer_config=kv_config(master.address, load_async=False),
-        args=("--no-enable-prefix-caching",),
+        args=("--no-enable-prefix-caching", "--enable-prompt-tokens-details"),
     )
     b = VllmServer(
-        log_dir, tiny_model, core=1, kv_transfer_config=kv_config(master.address, load_async=True)
+        log_dir,
+        tiny_model,
+        core=1,
+        kv_transfer_config=kv_config(master.address, load_async=True),
+        args=("--enable-prompt-tokens-details",),
     )
     procs = (master, server, a, b)
     try:
@@ -133,6 +137,8 @@ def _reuse(cluster: Cluster, saver: VllmServer, loader: VllmServer, seed: int) -
         hits = loader.metric(HITS) - before
         assert token_ids(answer) == ref, f"{len(p)}-token prompt: tokens differ"
         assert hits >= 0.9 * len(p), f"{len(p)}-token prompt: only {hits} tokens from the store"
+        # what the store loaded counts as cached in the OpenAI usage, as vLLM's own connectors'
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == hits
 
 
 def test_a_saves_fresh_b_loads_with_prefix_caching_on(cluster: Cluster) -> None:

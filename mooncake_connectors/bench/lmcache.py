@@ -15,7 +15,9 @@ LMCache's connector ``save_chunk_meta: false``, both pass MemoryObj addresses) a
 (ours layout framed, LMCache's ``save_chunk_meta: true``, both store a header and copy).
 Rounds interleave the two systems so machine noise hits both alike. Mooncake's wheel moves data
 over TCP here (``protocol: tcp``); ours uses shared memory for a store server on the same host
-unless ``--ours-transports tcp``.
+unless ``--ours-transports tcp``. Ours also runs TCP only in the same window (``ours-tcp``: data
+and control messages over loopback TCP; ``--no-tcp-only`` skips it), and its
+``throughput_ratio_tcp`` is the like-for-like figure against Mooncake's tcp.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from ..store.client import StoreClient
 from ..store.config import ClientConfig, parse_size
-from .store import _free_port, _wait_port, start_mooncake_store
+from .procs import _free_port, _wait_port, loadavg, start_mooncake_store
 
 TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128
@@ -92,7 +94,9 @@ class Stores:
 
 def _config(system: str, mode: str, stores: Stores, cpu_gib: float, transports: str) -> Any:
     zero_copy = mode == "zero-copy"
-    if system == "ours":
+    if system.startswith("ours"):
+        if system == "ours-tcp":
+            transports = "tcp"
         extra: dict[str, Any] = {
             f"remote_storage_plugin.{PLUGIN}.module_path": "mooncake_connectors.adapters.lmcache",
             f"remote_storage_plugin.{PLUGIN}.class_name": "StoreConnector",
@@ -147,7 +151,7 @@ class System:
         )
         config = _config(name, mode, stores, cpu_gib, transports)
         self.sm = StorageManager(config, meta, EventManager())
-        plugin = PLUGIN if name == "ours" else "mooncakestore"
+        plugin = PLUGIN if name.startswith("ours") else "mooncakestore"
         self.backend = self.sm.storage_backends[f"RemoteBackend-{plugin}"]
         if self.backend.connection is None:
             raise RuntimeError(f"{name}: LMCache could not create the connector")
@@ -198,7 +202,7 @@ class System:
 
     def clear(self) -> None:
         conn = self.backend.connection.getWrappedConnector()
-        if self.name == "ours":
+        if self.name.startswith("ours"):
             conn.guard.client().remove_all(force=True)
         else:
             conn.store.remove_all(True)
@@ -227,6 +231,7 @@ def run(
     memory: int,
     modes: list[str],
     transports: str = "shm,tcp",
+    tcp_only: bool = True,
 ) -> dict[str, Any]:
     stores = Stores(memory)
     cases = []
@@ -240,7 +245,7 @@ def run(
             for mode in modes:
                 systems = [
                     System(n, mode, stores, layers, cpu_gib, transports)
-                    for n in ("ours", "lmcache")
+                    for n in ("ours", *(("ours-tcp",) if tcp_only else ()), "lmcache")
                 ]
                 lat: dict[tuple[str, str], list[float]] = {}
                 try:
@@ -273,6 +278,12 @@ def run(
                             "throughput_ratio": round(ours["gb_per_s"] / theirs["gb_per_s"], 2),
                         }
                     )
+                    if ("ours-tcp", op) in lat:
+                        tcp = _summary(lat[("ours-tcp", op)], chunk_bytes, batch)
+                        cases[-1]["ours_tcp"] = tcp
+                        cases[-1]["throughput_ratio_tcp"] = round(
+                            tcp["gb_per_s"] / theirs["gb_per_s"], 2
+                        )
     finally:
         stores.close()
     return {
@@ -284,6 +295,7 @@ def run(
             "ours_transports": transports,
             "mooncake_protocol": "tcp",
         },
+        "load_average": loadavg(),
         "cases": cases,
     }
 
@@ -301,6 +313,12 @@ def main(argv: list[str] | None = None) -> None:
         default="shm,tcp",
         help="our client's transports (tcp alone matches Mooncake's tcp protocol)",
     )
+    ap.add_argument(
+        "--no-tcp-only",
+        dest="tcp_only",
+        action="store_false",
+        help="skip the TCP-only run of ours (by default it runs in the same window)",
+    )
     ap.add_argument("-o", "--output", help="also write the JSON here")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -314,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         parse_size(a.memory),
         modes,
         a.ours_transports,
+        a.tcp_only,
     )
     text = json.dumps(result, indent=2)
     if a.output:

@@ -7,12 +7,14 @@ batch of ``pages`` pages. Systems, each as users run it — a master process, a 
 holding the memory, the backend in this process as a pure client:
 
   ours        HiCacheStore, our ``master`` and ``store-server``, default transports (shm, tcp)
-  ours_tcp    the same store, the backend limited to the tcp transport (like Mooncake's here)
+  ours_tcp    the same store, the backend TCP only: data over the tcp transport and control
+              messages over loopback TCP, not the abstract unix socket (like Mooncake's here)
   mooncake    SGLang's MooncakeStore on the Mooncake wheel: ``mooncake_master`` and a
               ``MooncakeDistributedStore`` data owner, protocol tcp (the wheel has no shm path)
 
 Rounds interleave the systems so machine noise hits all alike; round 0 warms up and is dropped.
-Per case, op and system: pages/s, GB/s, p50/p99 of one call (ms). Ratios: ours ÷ mooncake.
+Per case, op and system: pages/s, GB/s, p50/p99 of one call (ms). Ratios: ours ÷ mooncake and
+ours_tcp ÷ mooncake; against Mooncake's tcp the like-for-like headline is ours_tcp's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 from ..store.config import parse_size
-from .store import _free_port, _quiet, _stop, _wait_port, start_mooncake_store
+from .procs import _free_port, _quiet, _stop, _wait_port, loadavg, start_mooncake_store
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +260,7 @@ def _summarise(
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     ratios: dict[str, dict[str, float]] = {}
+    ratios_tcp: dict[str, dict[str, float]] = {}
     for label, ops in samples.items():
         results[label] = {}
         for op, per in ops.items():
@@ -274,10 +277,11 @@ def _summarise(
                     "page_bytes": page_bytes,
                 }
             results[label][op] = row
-            if "ours" in row and "mooncake" in row:
-                ratios.setdefault(label, {})[op] = round(
-                    row["ours"]["pages_s"] / row["mooncake"]["pages_s"], 2
-                )
+            for ours, into in (("ours", ratios), ("ours_tcp", ratios_tcp)):
+                if ours in row and "mooncake" in row:
+                    into.setdefault(label, {})[op] = round(
+                        row[ours]["pages_s"] / row["mooncake"]["pages_s"], 2
+                    )
     return {
         "benchmark": "sglang-hicache",
         "unit": "pages/s and GB/s: median of rounds; latency of one call (one batch) in ms",
@@ -289,6 +293,8 @@ def _summarise(
             "platform": platform.platform(),
         },
         "results": results,
+        "ratios_ours_tcp_vs_mooncake": ratios_tcp,
         "ratios_ours_vs_mooncake": ratios,
+        "load_average": loadavg(),
         "notes": notes,
     }

@@ -8,17 +8,19 @@ alternating every few calls so machine noise hits both alike:
   put / get / get_into of each size — single calls, a fresh key per op;
   batches (``COUNTxSIZE``): put_batch, get_batch and batch_get_into of COUNT keys per call.
 
+Ours runs twice in the same window by default: ``ours`` with its defaults (same-host shortcuts:
+shared memory for data, an abstract unix socket for control) and ``ours-tcp``, TCP only for data
+and control, as Mooncake's ``tcp`` works; ``ours-tcp`` is the like-for-like column.
+
 Reported per case and system: ops/s (calls per second; a batch call counts COUNT ops), GB/s,
 p50/p99 latency of one call (µs). Ratios are ours ÷ Mooncake (> 1 is better for ours).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,39 +30,14 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..store.config import parse_size
+from .procs import _free_port as _free_port  # re-exported: benches import them from here too
+from .procs import _quiet as _quiet
+from .procs import _stop as _stop
+from .procs import _wait_port as _wait_port
+from .procs import loadavg
+from .procs import start_mooncake_store as start_mooncake_store
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout: float, proc: subprocess.Popen[Any]) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
-
-
-def _quiet(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 class _System:
@@ -83,13 +60,17 @@ class _System:
             _stop(p)
 
 
-class _Ours(_System):
-    name = "ours"
+# name of our system -> its transports (both processes: data and control plane alike)
+OUR_VARIANTS: dict[str, tuple[str, ...]] = {"ours": ("shm", "tcp"), "ours-tcp": ("tcp",)}
 
-    def __init__(self, memory: int) -> None:
+
+class _Ours(_System):
+    def __init__(self, memory: int, name: str = "ours") -> None:
         from ..store.client import StoreClient
         from ..store.config import ClientConfig
 
+        self.name = name
+        transports = OUR_VARIANTS[name]
         self.procs = []
         port = _free_port()
         cli = [sys.executable, "-m", "mooncake_connectors"]
@@ -97,9 +78,21 @@ class _Ours(_System):
         _wait_port(port, 30, self.procs[0])
         master = f"127.0.0.1:{port}"
         self.procs.append(
-            _quiet([*cli, "store-server", "--master", master, "--memory", str(memory)])
+            _quiet(
+                [
+                    *cli,
+                    "store-server",
+                    "--master",
+                    master,
+                    "--memory",
+                    str(memory),
+                    "--transports",
+                    ",".join(transports),
+                ]
+            )
         )
-        self.c = StoreClient(ClientConfig(master=master, local_buffer_size=256 << 20)).start()
+        cfg = ClientConfig(master=master, local_buffer_size=256 << 20, transports=transports)
+        self.c = StoreClient(cfg).start()
         end = time.monotonic() + 60
         while self.c.stats().get("servers", 0) < 1:
             if time.monotonic() > end or self.procs[1].poll() is not None:
@@ -144,59 +137,6 @@ class _Ours(_System):
     def close(self) -> None:
         self.c.close()
         super().close()
-
-
-_OWNER = """
-import os, sys
-from mooncake.store import MooncakeDistributedStore
-s = MooncakeDistributedStore()
-rc = s.setup("127.0.0.1", sys.argv[1], int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[3])
-print("ready" if rc == 0 else f"setup failed {rc}", flush=True)
-sys.stdin.read()
-"""
-
-
-def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tuple[str, str]:
-    """Start Mooncake's own store for a side-by-side run: ``mooncake_master`` (from the wheel,
-    with its HTTP metadata server) and a data-owner process contributing ``memory`` bytes, all on
-    127.0.0.1. The processes are appended to ``procs`` as they start (the caller stops them, also
-    when this raises). Returns (master address, metadata URL)."""
-    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # Mooncake binds 0.0.0.0 otherwise
-    env = dict(os.environ)
-    rpc, metrics, http = _free_port(), _free_port(), _free_port()
-    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    master_proc = _quiet(
-        [
-            binary,
-            f"--rpc_port={rpc}",
-            "--rpc_address=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--metrics_host=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-        ],
-        env,
-    )
-    procs.append(master_proc)
-    _wait_port(rpc, 30, master_proc)
-    _wait_port(http, 30, master_proc)
-    meta = f"http://127.0.0.1:{http}/metadata"
-    master = f"127.0.0.1:{rpc}"
-    owner = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, meta, str(memory), master],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    procs.append(owner)
-    assert owner.stdout is not None
-    line = owner.stdout.readline().strip()
-    if line != "ready":
-        raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
-    return master, meta
 
 
 class _Mooncake(_System):
@@ -332,8 +272,13 @@ def run_store_benchmark(
     memory: str = "1G",
     scale: float = 1.0,
     with_mooncake: bool = True,
+    ours: tuple[str, ...] = ("ours", "ours-tcp"),
 ) -> dict[str, Any]:
     import numpy as np
+
+    for name in ours:
+        if name not in OUR_VARIANTS:
+            raise ConfigError(f"unknown variant {name!r} of ours; known: {sorted(OUR_VARIANTS)}")
 
     size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
     batch_list = _parse_batches(batches)
@@ -342,7 +287,7 @@ def run_store_benchmark(
     systems: list[_System] = []
     samples: dict[str, dict[str, list[tuple[float, list[float], int, int]]]] = {}
     try:
-        systems.append(_Ours(mem))
+        systems.extend(_Ours(mem, name) for name in ours)
         if with_mooncake:
             try:
                 import mooncake.store  # noqa: F401
@@ -435,9 +380,12 @@ def _summarise(
             }
         results[label] = row
     ratios = {
-        label: round(row["ours"]["ops_s"] / row["mooncake"]["ops_s"], 2)
-        for label, row in results.items()
-        if "ours" in row and "mooncake" in row
+        name: {
+            label: round(row[name]["ops_s"] / row["mooncake"]["ops_s"], 2)
+            for label, row in results.items()
+            if name in row and "mooncake" in row
+        }
+        for name in OUR_VARIANTS
     }
     return {
         "benchmark": "store",
@@ -449,6 +397,13 @@ def _summarise(
             "platform": platform.platform(),
         },
         "results": results,
-        "ratios_ours_vs_mooncake": ratios,
+        "systems": {
+            name: ",".join(OUR_VARIANTS.get(name, ("tcp",)))
+            for name in sorted({n for row in results.values() for n in row})
+        },
+        # Mooncake's tcp has no same-host shortcut: ours-tcp is the like-for-like headline.
+        "ratios_ours_tcp_vs_mooncake": ratios["ours-tcp"],
+        "ratios_ours_vs_mooncake": ratios["ours"],
+        "load_average": loadavg(),
         "notes": notes,
     }

@@ -53,14 +53,17 @@ def run_memory_benchmark(
                 if time.monotonic() > end or proc.poll() is not None:
                     raise RuntimeError("master did not start") from None
                 time.sleep(0.05)
+        # The names first: making 10^6 of them takes seconds on a loaded machine, longer than
+        # the master waits for a mounted server's heartbeat (it would unmount the segment and
+        # answer every put with "no space").
+        rng = random.Random(0)
+        hexchars = "0123456789abcdef"
+        names = ["".join(rng.choices(hexchars, k=key_len)) for _ in range(keys)]
         me = "memory-bench"
         ch.call(Hello(me), 10)
         reply = ch.call(Mount(me, "bench-segment", 1 << 44, MAX_SEGMENT_SIZE), 10)
         if isinstance(reply, Err):
             raise RuntimeError(reply.message)
-        rng = random.Random(0)
-        hexchars = "0123456789abcdef"
-        names = ["".join(rng.choices(hexchars, k=key_len)) for _ in range(keys)]
         base = _rss(proc.pid)
         t0 = time.perf_counter()
         for i in range(0, keys, batch):
@@ -69,6 +72,9 @@ def run_memory_benchmark(
             r = ch.call(PutStart(put_id, chunk, [value_size] * len(chunk)), 60)
             if isinstance(r, Err):
                 raise RuntimeError(r.message)
+            codes = getattr(r, "codes", [])
+            if any(codes):  # a refused put stores nothing: no figure then
+                raise RuntimeError(f"the master refused puts: codes {set(codes)}")
             ch.call(PutEnd(put_id, chunk, []), 60)
             ch.call(Heartbeat(me), 60)  # keep the fake server alive through a long run
             ch.pushes.clear()  # the holdings deltas the master sends its "server"

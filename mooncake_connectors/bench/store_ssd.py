@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .store import _free_port, _quiet, _stop, _wait_port
+from .procs import _free_port, _quiet, _stop, _wait_port
 
 _CHUNK = 4
 

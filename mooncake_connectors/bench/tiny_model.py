@@ -31,8 +31,9 @@ def corpus_files(limit: int = 200) -> list[str]:
     return [str(p) for p in sorted(stdlib.glob("*.py"))[:limit]]
 
 
-def build(out: Path, *, layers: int = 2, kv_heads: int = 2) -> Path:
-    """Write the model into ``out`` (created) and return it; a finished build is reused."""
+def build(out: Path, *, layers: int = 2, kv_heads: int = 2, hidden: int = 256) -> Path:
+    """Write the model into ``out`` (created) and return it; a finished build is reused.
+    ``hidden``: the hidden size (64-wide heads, MLP twice as wide)."""
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     import importlib
@@ -61,10 +62,10 @@ def build(out: Path, *, layers: int = 2, kv_heads: int = 2) -> Path:
     torch.manual_seed(SEED)
     cfg = tf.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=max(4, kv_heads),
+        num_attention_heads=max(hidden // 64, kv_heads),
         num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=MAX_POSITIONS,

@@ -13,10 +13,22 @@ length, ``rounds`` prompts go through prefill then decode, and we record
   (``mb``) either way.
 - ``ttft_ms``: from sending the request to the decode's first streamed token (ours pull: prefill
   leg, then decode leg; ours push and Mooncake's: both legs at once, as their proxies do);
+- ``decode_leg_ms``: the same point for every system that can run its legs one after the
+  other (ours pull, Mooncake's): from sending the decode request, once the prefill leg has
+  answered, to the decode's first token. It holds the whole hand-over (side channel or
+  bootstrap, the KV transfer, the first decode step), so it compares like with like where
+  ``transfer_ms`` cannot (each connector logs its own span). Mooncake's is an extra, sequential
+  request per prompt; its ``ttft_ms`` stays both legs at once.
 - ``tokens_identical``: the decode's greedy tokens equal a plain single-engine run's.
 
+Ours runs with its default transports and, by default, TCP only as well (``tcp_only``), the
+like-for-like column against Mooncake's tcp. Every system's engine pair is up at once and the
+systems take turns at each prompt length, so machine noise hits all alike.
+
 vLLM's MooncakeConnector asks torch for an accelerator device index, which CPU torch refuses;
-its engines get a ``sitecustomize`` that answers 0 (ENGINES.md). Nothing else is changed.
+its engines get a ``sitecustomize`` that answers 0 and, on a CPU with AMX, asks Linux for AMX tile
+state as our connectors do (otherwise its decode worker dies with SIGILL in vLLM's AMX attention
+kernel on a first forward of one token). Nothing else is changed.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from typing import Any
 
 from ..pd import params as pdp
 from .launch import VllmServer, completion, free_port, random_prompt, stream_completion, token_ids
+from .procs import loadavg
 
 _METRICS = re.compile(
     r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)"
@@ -45,6 +58,14 @@ try:
     import torch
 
     torch.accelerator.current_device_index = lambda: 0
+except Exception:
+    pass
+# On an AMX host, the AMX tile state our connectors ask for (adapters/vllm/cpu_amx.py): without
+# it a decode whose first forward is one token over transferred KV dies with SIGILL.
+try:
+    import ctypes
+
+    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
 except Exception:
     pass
 """
@@ -87,12 +108,15 @@ class _Ours:
     def __init__(self, transports: list[str]) -> None:
         self.transports = transports
         self.name = f"mooncake-connectors MooncakeConnectorsPD ({','.join(transports)})"
+        self.pair = f"ours {','.join(transports)}"  # runners with one pair share its engines
+        self.decode_leg_ms: float | None = None
 
     def kv(self, role: str) -> dict[str, Any]:
-        return {
-            "kv_connector": "MooncakeConnectorsPD",
-            "kv_role": role,
-            "kv_connector_extra_config": {"transports": self.transports},
+        extra: dict[str, Any] = {"transports": self.transports}
+        if role == "kv_consumer":
+            extra["accept_push"] = True  # so pull and push runners can share one pair
+        return {"kv_connector": "MooncakeConnectorsPD", "kv_role": role} | {
+            "kv_connector_extra_config": extra
         }
 
     def env(self) -> dict[str, str]:
@@ -106,7 +130,10 @@ class _Ours:
     ) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
         leg = completion(prefill.url, prompt, 1, _leg())
-        return _stream_decode(decode, prompt, max_tokens, leg["kv_transfer_params"], t0)
+        t1 = time.perf_counter()
+        ms, ids = _stream_decode(decode, prompt, max_tokens, leg["kv_transfer_params"], t0)
+        self.decode_leg_ms = ms - 1e3 * (t1 - t0)
+        return ms, ids
 
 
 class _OursPush(_Ours):
@@ -121,12 +148,6 @@ class _OursPush(_Ours):
         )
         self.engine: pdp.PrefillEngine | None = None
 
-    def kv(self, role: str) -> dict[str, Any]:
-        cfg = super().kv(role)
-        if role == "kv_consumer":
-            cfg["kv_connector_extra_config"]["accept_push"] = True
-        return cfg
-
     def run(
         self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
     ) -> tuple[float, list[int]]:
@@ -136,6 +157,7 @@ class _OursPush(_Ours):
             params = leg["kv_transfer_params"]
             self.engine = pdp.decode(params, pdp.PrefillEngine)
             return _stream_decode(decode, prompt, max_tokens, params, t0)
+        self.decode_leg_ms = None  # both legs at once: no decode leg of its own
         push_id = f"bench-{n}-{time.monotonic_ns()}"
         params = pdp.encode(pdp.PushParams.to(self.engine, push_id))
         return _both_legs(prefill, decode, prompt, max_tokens, _leg(push_id), params)
@@ -175,8 +197,10 @@ def _both_legs(
 
 class _Theirs:
     name = "vLLM MooncakeConnector (mooncake-transfer-engine wheel, tcp)"
+    pair = "theirs"
 
     def __init__(self, work: Path) -> None:
+        self.decode_leg_ms: float | None = None
         self.bootstrap = free_port()
         self.patch_dir = work / "mooncake-cpu-patch"
         self.patch_dir.mkdir(parents=True, exist_ok=True)
@@ -200,9 +224,7 @@ class _Theirs:
     def stats_side(self, prefill: VllmServer, decode: VllmServer) -> VllmServer:
         return prefill  # Mooncake pushes from prefill and measures there
 
-    def run(
-        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
-    ) -> tuple[float, list[int]]:
+    def _params(self, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
         tid = f"bench-{n}-{time.monotonic_ns()}"
         leg_params = {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
         params = {
@@ -211,7 +233,20 @@ class _Theirs:
             "remote_bootstrap_addr": f"http://127.0.0.1:{self.bootstrap}",
             "transfer_id": tid,
         }
-        return _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
+        return leg_params, params
+
+    def run(
+        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
+    ) -> tuple[float, list[int]]:
+        leg_params, params = self._params(n)
+        out = _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
+        if n >= 0:  # not a warm-up: the same prompt again, legs one after the other
+            leg_params, params = self._params(n)
+            completion(prefill.url, prompt, 1, leg_params)  # the prefill holds the blocks
+            self.decode_leg_ms, _ = _stream_decode(
+                decode, prompt, max_tokens, params, time.perf_counter()
+            )
+        return out
 
 
 def _stream_decode(
@@ -236,6 +271,7 @@ def run_pd_benchmark(
     work_dir: Path | None = None,
     transports: tuple[str, ...] = ("shm", "tcp"),
     push: bool = True,
+    tcp_only: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
@@ -245,6 +281,8 @@ def run_pd_benchmark(
     work.mkdir(parents=True, exist_ok=True)
     model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
     runners: list[Any] = [_Ours(list(transports))]
+    if tcp_only and tuple(transports) != ("tcp",):
+        runners.append(_Ours(["tcp"]))
     if push:
         runners.append(_OursPush(list(transports)))
     skipped = None
@@ -257,40 +295,23 @@ def run_pd_benchmark(
     done = 0
     max_len = max(lengths) + max_tokens + 64
     reference: dict[tuple[int, int], list[int]] = {}
-    results: dict[str, Any] = {}
-    for runner in runners:
-        common = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
-        args = ("--no-enable-prefix-caching",)
-        prefill = VllmServer(
-            work,
-            model,
-            core=0,
-            kv_transfer_config=runner.kv("kv_producer"),
-            max_model_len=max_len,
-            args=args,
-            env=common,
-        )
-        decode = VllmServer(
-            work,
-            model,
-            core=1,
-            kv_transfer_config=runner.kv("kv_consumer"),
-            max_model_len=max_len,
-            args=args,
-            env=common,
-        )
-        try:
-            prefill.launch()
-            decode.launch()
-            prefill.wait_ready()
-            decode.wait_ready()
-            stats = _Stats(runner.stats_side(prefill, decode))
+    results: dict[str, Any] = {r.name: {} for r in runners}
+    pairs: dict[str, tuple[VllmServer, VllmServer]] = {}
+    stats: dict[str, _Stats] = {}
+    try:
+        for runner in runners:
+            if runner.pair not in pairs:
+                pairs[runner.pair] = _start_pair(work, model, runner, max_len)
+        for runner in runners:
+            prefill, decode = pairs[runner.pair]
+            stats[runner.name] = _Stats(runner.stats_side(prefill, decode))
             for w in range(3):  # warm both engines and the connector's connections
-                runner.run(prefill, decode, random_prompt(10_000 + w, 256), 2, -w)
-            stats.wait(3, timeout=10)
-            per_len: dict[str, Any] = {}
-            for length in lengths:
-                ttft, same = [], []
+                runner.run(prefill, decode, random_prompt(10_000 + w, 256), 2, -1 - w)
+            stats[runner.name].wait(3, timeout=10)
+        for length in lengths:
+            for runner in runners:  # each system in turn, at each length
+                prefill, decode = pairs[runner.pair]
+                ttft, legs, same = [], [], []
                 for r in range(rounds):
                     prompt = random_prompt(length * 100 + r, length)
                     ms, ids = runner.run(prefill, decode, prompt, max_tokens, r)
@@ -299,20 +320,27 @@ def run_pd_benchmark(
                         plain = completion(prefill.url, prompt, max_tokens)
                         reference[key] = token_ids(plain)
                     ttft.append(ms)
+                    if runner.decode_leg_ms is not None:
+                        legs.append(runner.decode_leg_ms)
                     same.append(ids == reference[key])
                     done += 1
                     if progress:
                         progress(done, total)
-                xfer_ms, mb, transfers = stats.wait(rounds)
-                per_len[str(length)] = {
+                # Mooncake's runs each prompt twice (both legs at once, then one after the other)
+                per_round = 2 if isinstance(runner, _Theirs) else 1
+                xfer_ms, mb, transfers = stats[runner.name].wait(rounds * per_round)
+                results[runner.name][str(length)] = {
                     "transfer_ms": round(xfer_ms, 3),
                     "mb": round(mb, 3),
                     "transfers_logged": transfers,
                     "ttft_ms": round(statistics.median(ttft), 1),
+                    "ttft_ms_all": [round(t, 1) for t in ttft],
+                    "decode_leg_ms": round(statistics.median(legs), 1) if legs else None,
+                    "decode_leg_ms_all": [round(x, 1) for x in legs],
                     "tokens_identical": all(same),
                 }
-            results[runner.name] = per_len
-        finally:
+    finally:
+        for prefill, decode in pairs.values():
             prefill.stop()
             decode.stop()
     cfg = json.loads((model / "config.json").read_text())
@@ -329,12 +357,15 @@ def run_pd_benchmark(
         },
         "rounds": rounds,
         "max_tokens": max_tokens,
+        "load_average": loadavg(),
         "results": results,
         "logs": str(work),
     }
     if skipped:
         out["skipped"] = skipped
-    names = {type(r): r.name for r in runners}
+    names: dict[type, str] = {}
+    for r in runners:
+        names.setdefault(type(r), r.name)  # _Ours: the default transports
 
     def ratio(a: type, b: type, field: str) -> dict[str, float] | None:
         if a not in names or b not in names:
@@ -352,4 +383,46 @@ def run_pd_benchmark(
         got = ratio(a, b, field)
         if got is not None:
             out[label] = got
+    theirs = next((r for r in runners if isinstance(r, _Theirs)), None)
+    for r in runners:
+        if theirs is None or type(r) is not _Ours:
+            continue
+        tag = "ours_tcp" if r.transports == ["tcp"] else "ours"
+        x, y = results[r.name], results[theirs.name]
+        for field in ("decode_leg_ms", "ttft_ms"):
+            out[f"{field.removesuffix('_ms')}_ratio_{tag}_over_theirs"] = {
+                k: round(x[k][field] / y[k][field], 3)
+                for k in x
+                if x[k][field] and y.get(k, {}).get(field)
+            }
     return out
+
+
+def _start_pair(work: Path, model: Path, runner: Any, max_len: int) -> tuple[Any, Any]:
+    """A prefill (core 0) and a decode (core 1) engine with ``runner``'s connector, ready."""
+    common = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
+    # Every system's pair is up at once: 256 MiB of KV cache each (65k tokens of this model)
+    # instead of vLLM's CPU default of 1 GiB, so six engines fit beside other work.
+    args = ("--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(256 << 20))
+    servers = [
+        VllmServer(
+            work,
+            model,
+            core=core,
+            kv_transfer_config=runner.kv(role),
+            max_model_len=max_len,
+            args=args,
+            env=common,
+        )
+        for core, role in ((0, "kv_producer"), (1, "kv_consumer"))
+    ]
+    try:
+        for s in servers:
+            s.launch()
+        for s in servers:
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers[0], servers[1]

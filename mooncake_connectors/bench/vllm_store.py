@@ -12,9 +12,17 @@ loading engine has nothing of its own). For every prompt length and round a fres
    took from the store (vLLM's ``external_prefix_cache_hits`` counter), ``tokens_identical``
    whether B's greedy tokens equal A's for every prompt (``tokens_identical_per_prompt``: each).
 
-``miss_ttft_ms`` is B computing a never-saved prompt of the same length (what a hit saves).
-``--ours-async`` adds a run of ours with ``load_async``. The systems run one after the other;
-medians per length are reported, and ``ttft_ratio_ours_over_theirs`` per length (target: <= 1.0).
+``miss_ttft_ms`` is B computing never-saved prompts of the same length (what a hit saves; the
+median of ``rounds`` prompts, the same prompts for every system). With ``baseline`` (default on)
+engines without any KV connector compute those prompts too, and
+``cold_ratio_*_over_no_connector`` is a connector's miss TTFT over theirs: what the connector
+costs a request the store cannot help (the lookup, and the previous request's save running while
+this one is computed).
+``--ours-async`` adds a run of ours with ``load_async``. Ours also runs TCP only (``tcp_only``,
+default on): its client's data and control messages over loopback TCP, as Mooncake's ``tcp``
+works, so ``ttft_ratio_ours_tcp_over_theirs`` is the like-for-like figure. The systems run one
+after the other in one window; medians per length are reported, and
+``ttft_ratio_ours_over_theirs`` per length (target: <= 1.0).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from .launch import (
     random_prompt,
     token_ids,
 )
+from .procs import loadavg
 
 HITS = "vllm:external_prefix_cache_hits_total"
 
@@ -118,6 +127,24 @@ class _Ours:
             p.stop()
 
 
+class _NoConnector:
+    """vLLM alone: the cold-request reference."""
+
+    name = "vLLM, no KV connector"
+
+    def start_store(self) -> None:
+        pass
+
+    def kv(self) -> dict[str, Any] | None:
+        return None
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def stop(self) -> None:
+        pass
+
+
 class _Theirs:
     name = "vLLM MooncakeStoreConnector (mooncake-transfer-engine wheel, tcp)"
 
@@ -129,7 +156,7 @@ class _Theirs:
 
     def start_store(self) -> None:
         from ..store.config import parse_size
-        from .store import start_mooncake_store
+        from .procs import start_mooncake_store
 
         master, meta = start_mooncake_store(parse_size(self.memory), self.procs)
         self.config_path.write_text(
@@ -181,6 +208,8 @@ def run_store_benchmark(
     with_ours: bool = True,
     with_ours_async: bool = False,
     transports: tuple[str, ...] = ("shm", "tcp"),
+    tcp_only: bool = True,
+    baseline: bool = True,
     model: Path | None = None,
     layers: int = 4,
     kv_heads: int = 4,
@@ -195,7 +224,11 @@ def run_store_benchmark(
     work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-store-"))
     work.mkdir(parents=True, exist_ok=True)
     model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
-    runners: list[Any] = [_Ours(work, memory, transports=transports)] if with_ours else []
+    runners: list[Any] = [_NoConnector()] if baseline else []
+    if with_ours:
+        runners.append(_Ours(work, memory, transports=transports))
+    if with_ours and tcp_only and transports != ("tcp",):
+        runners.append(_Ours(work, memory, transports=("tcp",)))
     if with_ours_async:
         runners.append(_Ours(work, memory, load_async=True, transports=transports))
     skipped = None
@@ -206,7 +239,7 @@ def run_store_benchmark(
             runners.append(_Theirs(work, memory))
     total = len(runners) * len(lengths) * (rounds + 1)
     done = 0
-    max_len = max(lengths) + max_tokens + 64
+    max_len = max(*lengths, 600) + max_tokens + 64  # 600: the warm-up prompts
     results: dict[str, Any] = {}
     for runner in runners:
         engines: list[VllmServer] = []
@@ -230,15 +263,16 @@ def run_store_benchmark(
                 e.launch()
             for e in engines:
                 e.wait_ready()
+            plain = isinstance(runner, _NoConnector)
             for w in range(3):  # warm both engines and their store connections
                 p = random_prompt(10_000 + w, 600)
                 completion(a.url, p, 2)
-                time.sleep(settle)
+                time.sleep(0 if plain else settle)
                 _stream(b.url, p, 2)
             per_len: dict[str, Any] = {}
             for length in lengths:
                 ttft, hit, same = [], [], []
-                for r in range(rounds):
+                for r in range(0 if plain else rounds):
                     prompt = random_prompt(length * 100 + r, length)
                     reference = token_ids(completion(a.url, prompt, max_tokens))
                     time.sleep(settle)  # the save runs after A's request finished
@@ -250,16 +284,24 @@ def run_store_benchmark(
                     done += 1
                     if progress:
                         progress(done, total)
-                miss_ms, _ = _stream(b.url, random_prompt(length * 100 + 99, length), max_tokens)
+                miss = [
+                    _stream(b.url, random_prompt(length * 100 + 90 + r, length), max_tokens)[0]
+                    for r in range(rounds)
+                ]
                 done += 1
-                per_len[str(length)] = {
-                    "ttft_ms": round(statistics.median(ttft), 1),
-                    "ttft_ms_all": [round(t, 1) for t in ttft],
-                    "hit_fraction": round(min(hit), 3),
-                    "tokens_identical": all(same),
-                    "tokens_identical_per_prompt": same,
-                    "miss_ttft_ms": round(miss_ms, 1),
+                row: dict[str, Any] = {
+                    "miss_ttft_ms": round(statistics.median(miss), 1),
+                    "miss_ttft_ms_all": [round(t, 1) for t in miss],
                 }
+                if not plain:
+                    row |= {
+                        "ttft_ms": round(statistics.median(ttft), 1),
+                        "ttft_ms_all": [round(t, 1) for t in ttft],
+                        "hit_fraction": round(min(hit), 3),
+                        "tokens_identical": all(same),
+                        "tokens_identical_per_prompt": same,
+                    }
+                per_len[str(length)] = row
             results[runner.name] = per_len
         finally:
             for e in engines:
@@ -283,16 +325,32 @@ def run_store_benchmark(
         "rounds": rounds,
         "max_tokens": max_tokens,
         "nice": os.nice(0),
+        "load_average": loadavg(),
         "results": results,
         "logs": str(work),
     }
     if skipped:
         out["skipped"] = skipped
+    none = next((results[r.name] for r in runners if isinstance(r, _NoConnector)), None)
+    for r in runners:
+        if none is None or isinstance(r, _NoConnector):
+            continue
+        tag = "theirs" if isinstance(r, _Theirs) else "ours"
+        if isinstance(r, _Ours):
+            tag += "_tcp" if r.transports == ("tcp",) else ""
+            tag += "_load_async" if r.load_async else ""
+        out[f"cold_ratio_{tag}_over_no_connector"] = {
+            k: round(v["miss_ttft_ms"] / none[k]["miss_ttft_ms"], 3)
+            for k, v in results[r.name].items()
+            if none.get(k, {}).get("miss_ttft_ms")
+        }
     theirs = next((results[r.name] for r in runners if isinstance(r, _Theirs)), None)
     for r in runners:
         if isinstance(r, _Ours) and theirs is not None:
             ours = results[r.name]
             key = "ttft_ratio_ours_over_theirs" + ("_load_async" if r.load_async else "")
+            if r.transports == ("tcp",):
+                key = key.replace("ours", "ours_tcp")
             out[key] = {
                 k: round(ours[k]["ttft_ms"] / theirs[k]["ttft_ms"], 3)
                 for k in ours

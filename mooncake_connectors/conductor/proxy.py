@@ -295,6 +295,11 @@ class PDProxy:
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict):
             return None
+        # vLLM's prefill scheduler adds its own prefix-cache hits here, and a decode request
+        # carrying them reports those as its cached tokens instead of the ones it loaded: with
+        # the key dropped the decode counts the transferred prompt, as vLLM's MooncakeConnector
+        # (whose prefill returns no params) does.
+        params.pop("remote_prefill_cached_tokens", None)
         # What the answer says about the prefill's engine, for later pushed decode requests; the
         # params themselves go to the decode instance as they are, which validates them.
         with contextlib.suppress(ProtocolError):

@@ -168,6 +168,8 @@ class ServerConfig:
     metadata: override the engines' metadata backend the master announces.
     auth_token: the master's shared secret; the server's transfer engine (its data port and its
     p2p metadata endpoint) and its load endpoint require it too.
+    transports: its transfer engine's, in preference order; without ``shm`` it also talks to a
+    loopback master over TCP instead of the abstract unix socket (see ``local_ipc``).
     """
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
@@ -194,6 +196,11 @@ class ServerConfig:
             raise ConfigError("bounce_size must be at least 64 KiB")
         _positive(self, "rpc_timeout")
 
+    @property
+    def local_ipc(self) -> bool:
+        """Control messages to loopback peers take the abstract unix socket (with ``shm``)."""
+        return "shm" in self.transports
+
     def replace(self, **changes: object) -> ServerConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -209,6 +216,10 @@ class ClientConfig:
     replica_timeout: deadline of one read attempt when another replica is left to try.
     auth_token: the store's shared secret (master and store servers), if it has one; the
     client's own transfer engine requires it too, and refuses servers that cannot prove it.
+    transports: the client's transfer engine's, in preference order. ``("shm", "tcp")`` (the
+    default) takes the same-host shortcuts: shared memory for data and an abstract unix socket
+    for control messages to a loopback master or server. ``("tcp",)`` is TCP only, data and
+    control alike (loopback TCP on one host).
     """
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
@@ -230,6 +241,11 @@ class ClientConfig:
         if self.local_buffer_size < 4 * KIB:
             raise ConfigError("local_buffer_size must be at least 4 KiB")
         _positive(self, "timeout", "rpc_timeout", "replica_timeout")
+
+    @property
+    def local_ipc(self) -> bool:
+        """Control messages to loopback peers take the abstract unix socket (with ``shm``)."""
+        return "shm" in self.transports
 
     def replace(self, **changes: object) -> ClientConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -23,9 +23,12 @@ _RETRY_PAUSE = 0.05
 
 
 class MasterLink:
-    def __init__(self, master: str, rpc_timeout: float, token: str | None = None) -> None:
+    def __init__(
+        self, master: str, rpc_timeout: float, token: str | None = None, *, local_ipc: bool = True
+    ) -> None:
         self.master = master
         self.token = token
+        self.local_ipc = local_ipc  # see Channel
         self.rpc_timeout = rpc_timeout
         self._resolver = (
             LeaderResolver(master, rpc_timeout) if master.startswith("etcd://") else None
@@ -52,7 +55,7 @@ class MasterLink:
             ch.close()
             ch = None
         if ch is None:
-            ch = Channel(address, timeout, self.token)
+            ch = Channel(address, timeout, self.token, local_ipc=self.local_ipc)
             self._local.ch = ch
             with self._lock:
                 self._channels = [c for c in self._channels if not c.closed]

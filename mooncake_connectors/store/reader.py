@@ -49,9 +49,12 @@ class Reader:
         link: MasterLink,
         rpc_timeout: float,
         token: str | None = None,
+        *,
+        local_ipc: bool = True,
     ) -> None:
         self.engine = engine
         self.token = token
+        self.local_ipc = local_ipc  # see Channel
         self.replica_timeout = replica_timeout
         self.rpc_timeout = rpc_timeout
         self._host = host_id()
@@ -154,7 +157,9 @@ class Reader:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = Channel(endpoint, self.rpc_timeout, self.token)
+            ch = chans[endpoint] = Channel(
+                endpoint, self.rpc_timeout, self.token, local_ipc=self.local_ipc
+            )
             with self._lock:
                 self._channels.append(ch)
         return ch

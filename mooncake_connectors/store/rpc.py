@@ -483,14 +483,18 @@ class Channel:
 
     Not thread-safe: use one per thread. Frames the peer pushes while a call waits are kept in
     ``pushes``. Raises TimeoutError (deadline), ConnectionError (peer gone) or ProtocolError.
+    ``local_ipc``: a loopback peer is reached over its abstract unix socket when it has one;
+    False keeps to TCP (a TCP-only setup, e.g. to compare with a system that has no shortcut).
     """
 
     _ids = itertools.count(1)
 
-    def __init__(self, address: str, timeout: float, token: str | None = None) -> None:
+    def __init__(
+        self, address: str, timeout: float, token: str | None = None, *, local_ipc: bool = True
+    ) -> None:
         host, port = split_hostport(address)
         self.address = address
-        sock = _connect_unix(host, port, timeout) if is_loopback(host) else None
+        sock = _connect_unix(host, port, timeout) if local_ipc and is_loopback(host) else None
         if sock is None:
             sock = socket.create_connection((host, port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

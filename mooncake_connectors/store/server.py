@@ -88,7 +88,9 @@ class StoreServer:
         self._ch: Channel | None = None
         self.heartbeat = 1.0
         self.registrations = 0  # how many times it mounted (1 + re-registrations)
-        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token)
+        self.link = MasterLink(
+            self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token, local_ipc=self.cfg.local_ipc
+        )
 
     @property
     def segment(self) -> str:
@@ -177,7 +179,12 @@ class StoreServer:
             address = self.link.address()
             if address is not None:
                 try:
-                    return Channel(address, self.cfg.rpc_timeout, self.cfg.auth_token)
+                    return Channel(
+                        address,
+                        self.cfg.rpc_timeout,
+                        self.cfg.auth_token,
+                        local_ipc=self.cfg.local_ipc,
+                    )
                 except OSError as exc:
                     log.debug("connect to master %s failed: %s", address, exc)
                     self.link.invalidate()

@@ -1,0 +1,103 @@
+"""Processes the benches start: free ports, quiet children, Mooncake's store, the load average."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, timeout: float, proc: subprocess.Popen[Any]) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def _quiet(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+_OWNER = """
+import os, sys
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", sys.argv[1], int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[3])
+print("ready" if rc == 0 else f"setup failed {rc}", flush=True)
+sys.stdin.read()
+"""
+
+
+def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tuple[str, str]:
+    """Start Mooncake's own store for a side-by-side run: ``mooncake_master`` (from the wheel,
+    with its HTTP metadata server) and a data-owner process contributing ``memory`` bytes, all on
+    127.0.0.1. The processes are appended to ``procs`` as they start (the caller stops them, also
+    when this raises). Returns (master address, metadata URL)."""
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # Mooncake binds 0.0.0.0 otherwise
+    env = dict(os.environ)
+    rpc, metrics, http = _free_port(), _free_port(), _free_port()
+    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    master_proc = _quiet(
+        [
+            binary,
+            f"--rpc_port={rpc}",
+            "--rpc_address=127.0.0.1",
+            f"--metrics_port={metrics}",
+            "--metrics_host=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+        ],
+        env,
+    )
+    procs.append(master_proc)
+    _wait_port(rpc, 30, master_proc)
+    _wait_port(http, 30, master_proc)
+    meta = f"http://127.0.0.1:{http}/metadata"
+    master = f"127.0.0.1:{rpc}"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, meta, str(memory), master],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    procs.append(owner)
+    assert owner.stdout is not None
+    line = owner.stdout.readline().strip()
+    if line != "ready":
+        raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
+    return master, meta
+
+
+def loadavg() -> list[float]:
+    """1/5/15-minute load average when the run ended: how busy the machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
