@@ -2,7 +2,8 @@
 
 The target is another process (helpers.Peer); the initiator is an engine in this process that
 has only the transport under test enabled. Both kinds of target memory are covered: memfd-backed
-buffers and plain numpy arrays (for shm: mapping vs process_vm).
+buffers and plain numpy arrays (for shm: mapping vs process_vm). ``tcp+tls`` is tcp over mutual
+TLS, both sides holding certificates from ``certs init``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import Peer, pattern
 
+from mooncake_connectors import certs
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import AccessViolation, SegmentNotFound
 from mooncake_connectors.transfer_core import TransferEngine, TransferRequest
@@ -38,13 +40,24 @@ class Link:
         return self.peer.call("digest", addr=addr, length=n)["sha"]
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS.names())
-def link(request: pytest.FixtureRequest) -> Iterator[Link]:
+@pytest.fixture(scope="module", params=[*TRANSPORTS.names(), "tcp+tls"])
+def link(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Link]:
     name = request.param
+    tls: dict[str, str] = {}
+    if name == "tcp+tls":
+        name = "tcp"
+        p = certs.init(tmp_path_factory.mktemp("certs"), ("target", "initiator"))
+        tls = {"tls_ca": str(p["ca"])}
     srv = MetadataHTTPServer("127.0.0.1", 0).start()
-    peer = Peer(metadata=srv.url, transports=[name])
+    mine = {"tls_cert": str(p["initiator"]), "tls_key": str(p["initiator-key"])} if tls else {}
+    theirs = {"tls_cert": str(p["target"]), "tls_key": str(p["target-key"])} if tls else {}
+    peer = Peer(metadata=srv.url, transports=[name], **tls, **theirs)
     engine = TransferEngine(
-        EngineConfig(metadata=srv.url, transports=(name,), slice_size=SLICE, timeout=20)
+        EngineConfig(
+            metadata=srv.url, transports=(name,), slice_size=SLICE, timeout=20, **tls, **mine
+        )
     ).start()
     remote = {
         k: peer.call("alloc", kind=k, size=SPAN, seed=i)["addr"]

@@ -19,19 +19,24 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
+from typing import cast
 
-from ...errors import AccessViolation
+from ...errors import AccessViolation, ConfigError
 from ...netguard import MIN_RATE, AcceptBackoff, listener_closed
+from ...tls import server_context, wrap_server
 from ...types import Access
 from ..memory import Region
 from ..transport import TransportContext
 from . import wire
+from .tls_stream import TlsStream
 
 log = logging.getLogger(__name__)
 
 _WAITALL = socket.MSG_WAITALL
+TLS_ENDPOINT = "tcp-tls"  # in a descriptor: the tcp endpoint speaks TLS ("mutual" or "server")
 _READ = int(Access.READ)
 _WRITE = int(Access.WRITE)
 
@@ -51,6 +56,11 @@ class TcpServer:
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
+        tls = cfg.tls
+        if tls is not None and tls.cert is None:
+            raise ConfigError("the tcp transport listens: tls_ca needs tls_cert and tls_key too")
+        self.tls_ctx = server_context(tls) if tls is not None else None
+        self.tls_mutual = tls is not None and tls.mutual
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -92,7 +102,8 @@ class TcpServer:
                 time.sleep(backoff.failed(OSError(str(exc))))
 
     def _handshake(self, conn: socket.socket) -> bool:
-        token = self.ctx.config.auth_token
+        # with mutual TLS the initiator's certificate already proved what the token would
+        token = None if self.tls_mutual else self.ctx.config.auth_token
         nonce = os.urandom(16)
         deadline = time.monotonic() + self.ctx.config.connect_timeout
         conn.settimeout(self.ctx.config.connect_timeout)
@@ -121,7 +132,8 @@ class TcpServer:
         conn.settimeout(None)
         return True
 
-    def _serve(self, conn: socket.socket, who: str) -> None:
+    def _serve(self, raw: socket.socket, who: str) -> None:
+        conn = raw
         local = self.ctx.local
         hdr = bytearray(wire.REQ.size)
         hv = memoryview(hdr)
@@ -132,6 +144,10 @@ class TcpServer:
         lo = hi = rights = 0
         try:
             _tune(conn)
+            if self.tls_ctx is not None:
+                timeout = self.ctx.config.connect_timeout
+                stream = TlsStream(wrap_server(self.tls_ctx, raw, timeout), mutual=self.tls_mutual)
+                conn = cast(socket.socket, stream)  # the part of the socket API used here
             if not self._handshake(conn):
                 return
             hsize = wire.REQ.size
@@ -211,11 +227,13 @@ class TcpServer:
                     _answer(conn, _ok(rid), deadline)
         except TimeoutError as exc:
             log.info("closing %s: %s", who, exc)
+        except ssl.SSLError as exc:  # a refused certificate, or a client not speaking TLS
+            log.info("closing %s: TLS: %s", who, exc)
         except (OSError, ConnectionError) as exc:
             log.debug("connection from %s ended: %s", who, exc)
         finally:
             with self.lock:
-                self.conns.discard(conn)
+                self.conns.discard(raw)
             conn.close()
 
     def close(self) -> None:
