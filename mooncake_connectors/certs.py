@@ -57,7 +57,10 @@ def init(directory: str | os.PathLike[str], nodes: tuple[str, ...] = ("node",)) 
         ca_key = loaded
     else:
         ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mooncake-connectors dev CA")])
+        # a name of its own: a verifier looks a chain's issuer up by name, and two dev CAs of
+        # one name make a foreign certificate fail as a bad signature instead of an unknown CA
+        label = f"mooncake-connectors dev CA {os.urandom(4).hex()}"
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, label)])
         ca_cert = (
             x509.CertificateBuilder()
             .subject_name(ca_name)

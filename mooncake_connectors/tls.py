@@ -96,7 +96,9 @@ def _load(ctx: ssl.SSLContext, cfg: TlsConfig) -> None:
 def handshake_error(exc: ssl.SSLError, peer: str, path: str = "") -> MooncakeConnectorsError:
     """Our error for a failed TLS handshake (or a first read that carried a TLS alert)."""
     reason = getattr(exc, "reason", None) or str(exc)
-    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE" in reason.upper():
+    if isinstance(exc, ssl.SSLCertVerificationError) or any(
+        word in reason.upper() for word in ("CERTIFICATE", "UNKNOWN_CA")
+    ):
         return AuthenticationError(f"TLS: certificate refused ({reason})", peer=peer, path=path)
     if reason in ("WRONG_VERSION_NUMBER", "UNEXPECTED_EOF_WHILE_READING", "HTTP_REQUEST"):
         return ProtocolError(

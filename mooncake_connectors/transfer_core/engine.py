@@ -300,7 +300,11 @@ class TransferEngine:
 
             try:
                 self._embedded_server = MetadataHTTPServer(
-                    u.hostname, u.port or 80, path=u.path or "/metadata", token=cfg.auth_token
+                    u.hostname,
+                    u.port or 80,
+                    path=u.path or "/metadata",
+                    token=cfg.auth_token,
+                    tls=cfg.tls if u.scheme == "https" else None,
                 ).start()
                 log.info("started the embedded metadata server at %s", self._embedded_server.url)
             except OSError as exc:  # another process won the race; use it

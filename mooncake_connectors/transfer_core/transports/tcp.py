@@ -414,12 +414,12 @@ class TcpTransport(Transport):
     ) -> None:
         addr = peer.endpoints["tcp"]
         if TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None:
-            err = AuthenticationError(
+            refused = AuthenticationError(
                 "peer requires TLS and no TLS is configured here (tls_cert/tls_key/tls_ca)",
                 peer=peer.name,
             )
             for s in slices:
-                s.complete(err)
+                s.complete(refused)
             return
         if inline_ok and not self._closed:
             self._run_direct(peer, addr, slices)
