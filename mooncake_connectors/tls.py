@@ -52,6 +52,11 @@ class TlsConfig:
         """Whether peers must present a certificate signed by ``ca``."""
         return self.ca is not None
 
+    def fields(self) -> dict[str, str]:
+        """As an EngineConfig's ``tls_*`` keywords."""
+        named = {"tls_cert": self.cert, "tls_key": self.key, "tls_ca": self.ca}
+        return {k: v for k, v in named.items() if v is not None}
+
     @classmethod
     def of(cls, cert: str | None, key: str | None, ca: str | None) -> TlsConfig | None:
         cfg = cls(cert or None, key or None, ca or None)
@@ -107,6 +112,20 @@ def handshake_error(exc: ssl.SSLError, peer: str, path: str = "") -> MooncakeCon
             path=path,
         )
     return ProtocolError(f"TLS handshake failed: {reason}", peer=peer, path=path)
+
+
+def refusal(sock: ssl.SSLSocket, exc: ssl.SSLError, peer: str) -> MooncakeConnectorsError:
+    """Our error for a write that failed after the handshake: with TLS 1.3 a server refuses
+    a client's certificate after the client's handshake is done, so the first write meets a
+    closed connection; the server's alert, still unread, says why."""
+    try:
+        sock.settimeout(0.5)
+        sock.recv(1)
+    except ssl.SSLError as alert:
+        return handshake_error(alert, peer)
+    except OSError:
+        pass
+    return handshake_error(exc, peer)
 
 
 def wrap_client(

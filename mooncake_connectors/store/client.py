@@ -104,7 +104,9 @@ class StoreClient:
         self.client_id = f"client-{uuid.uuid4().hex[:12]}"
         self.engine: TransferEngine | None = None
         self.server: Any = None  # the embedded StoreServer, if any
-        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token)
+        self.link = MasterLink(
+            self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token, self.cfg.tls
+        )
         self.stripe_size = 0
         self.put_lease = 60.0
         self._staging: Staging | None = None
@@ -129,13 +131,18 @@ class StoreClient:
             transports=cfg.transports,
             timeout=cfg.timeout,
             auth_token=cfg.auth_token,
-        )
+        ).replace(**(cfg.tls.fields() if cfg.tls else {}))
         self.engine = TransferEngine(ecfg).start()
         try:
             self._staging = Staging(self.engine, cfg.local_buffer_size)
 
             self._reader = Reader(
-                self.engine, cfg.replica_timeout, self.link, cfg.rpc_timeout, cfg.auth_token
+                self.engine,
+                cfg.replica_timeout,
+                self.link,
+                cfg.rpc_timeout,
+                cfg.auth_token,
+                cfg.tls,
             )
             # Registering memory re-publishes this engine's descriptor and makes peers that read
             # from it re-fetch: only for a pure client whose metadata is local (p2p, memory).
@@ -156,6 +163,7 @@ class StoreClient:
                     host=cfg.host,
                     rpc_timeout=cfg.rpc_timeout,
                     auth_token=cfg.auth_token,
+                    tls=cfg.tls,
                 )
                 self.server = StoreServer(
                     scfg, engine=self.engine, client_id=self.client_id + "-seg"

@@ -14,6 +14,7 @@ import threading
 import time
 
 from ..errors import MasterUnavailable
+from ..tls import TlsConfig
 from .ha import LeaderResolver
 from .protocol import Code, Err, Msg
 from .rpc import Channel
@@ -23,9 +24,16 @@ _RETRY_PAUSE = 0.05
 
 
 class MasterLink:
-    def __init__(self, master: str, rpc_timeout: float, token: str | None = None) -> None:
+    def __init__(
+        self,
+        master: str,
+        rpc_timeout: float,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.master = master
         self.token = token
+        self.tls = tls
         self.rpc_timeout = rpc_timeout
         self._resolver = (
             LeaderResolver(master, rpc_timeout) if master.startswith("etcd://") else None
@@ -52,7 +60,7 @@ class MasterLink:
             ch.close()
             ch = None
         if ch is None:
-            ch = Channel(address, timeout, self.token)
+            ch = Channel(address, timeout, self.token, self.tls)
             self._local.ch = ch
             with self._lock:
                 self._channels = [c for c in self._channels if not c.closed]

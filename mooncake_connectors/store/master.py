@@ -125,6 +125,7 @@ class Master:
             frame_timeout=cfg.frame_timeout,
             name="mc-store-master",
             token=cfg.auth_token,
+            tls=cfg.tls,
         )
         self.rpc.start()
         if cfg.metrics_port is not None:

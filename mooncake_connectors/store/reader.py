@@ -17,6 +17,7 @@ import threading
 import time
 
 from ..errors import MooncakeConnectorsError, ReplicaUnavailable, StoreError
+from ..tls import TlsConfig
 from ..transfer_core.descriptor import host_id
 from ..transfer_core.engine import TransferEngine, TransferRequest
 from ..types import TransferOp, TransferStatus
@@ -49,9 +50,11 @@ class Reader:
         link: MasterLink,
         rpc_timeout: float,
         token: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.engine = engine
         self.token = token
+        self.tls = tls
         self.replica_timeout = replica_timeout
         self.rpc_timeout = rpc_timeout
         self._host = host_id()
@@ -154,7 +157,7 @@ class Reader:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = Channel(endpoint, self.rpc_timeout, self.token)
+            ch = chans[endpoint] = Channel(endpoint, self.rpc_timeout, self.token, self.tls)
             with self._lock:
                 self._channels.append(ch)
         return ch

@@ -88,7 +88,9 @@ class StoreServer:
         self._ch: Channel | None = None
         self.heartbeat = 1.0
         self.registrations = 0  # how many times it mounted (1 + re-registrations)
-        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token)
+        self.link = MasterLink(
+            self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token, self.cfg.tls
+        )
 
     @property
     def segment(self) -> str:
@@ -111,7 +113,7 @@ class StoreServer:
                 metadata=cfg.metadata or hello.metadata,
                 transports=cfg.transports,
                 auth_token=cfg.auth_token,
-            )
+            ).replace(**(cfg.tls.fields() if cfg.tls else {}))
             self.engine = TransferEngine(ecfg).start()
         try:
             self.buffer = self.engine.allocate_buffer(cfg.memory)
@@ -126,6 +128,7 @@ class StoreServer:
                     tick=self._expire_loans,
                     name="mc-store-load",
                     token=cfg.auth_token,
+                    tls=cfg.tls,
                 ).start()
             self._register(deadline + cfg.rpc_timeout)
         except BaseException:
@@ -177,7 +180,7 @@ class StoreServer:
             address = self.link.address()
             if address is not None:
                 try:
-                    return Channel(address, self.cfg.rpc_timeout, self.cfg.auth_token)
+                    return Channel(address, self.cfg.rpc_timeout, self.cfg.auth_token, self.cfg.tls)
                 except OSError as exc:
                     log.debug("connect to master %s failed: %s", address, exc)
                     self.link.invalidate()
