@@ -553,6 +553,9 @@ def bench_transfer(
     mooncake: Annotated[
         bool, typer.Option(help="Also run Mooncake's TCP engine when its wheel is installed.")
     ] = True,
+    tls: Annotated[
+        bool, typer.Option(help="Also run tcp over mutual TLS (a fresh development CA).")
+    ] = False,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -568,6 +571,7 @@ def bench_transfer(
             batch=batch,
             with_mooncake=mooncake,
             progress=advance,
+            tls=tls,
         )
     _emit(result, output)
 
