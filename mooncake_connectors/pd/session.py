@@ -40,6 +40,7 @@ from .messages import Done, WorkerLayout
 from .plan import RecvSpec, StepPlan
 from .push import LayerPush
 from .settings import SessionSettings, SessionStats
+from .curve import CurveIdentity
 from .side_channel import SideChannelClient, SideChannelServer
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class TransferSession(LayerPush):
         self.engine: TransferEngine | None = None
         self.layout: WorkerLayout | None = None
         self._server: SideChannelServer | None = None
+        self._curve: CurveIdentity | None = None  # with mutual TLS: the side channel's keys
         self._pool = concurrent.futures.ThreadPoolExecutor(_LOADERS, "mc-pd-load")
         self._tls = threading.local()
         self._clients: list[SideChannelClient] = []
@@ -102,7 +104,13 @@ class TransferSession(LayerPush):
             layers.extend(mine)
         first = next(iter(kv_caches.values()))
         location = f"cuda:{first.device.index or 0}" if first.device.type == "cuda" else "cpu:0"
-        engine = TransferEngine(self.config.engine_config()).start()
+        ecfg = self.config.engine_config()
+        tls = ecfg.tls
+        if tls is not None and tls.mutual:
+            self._curve = CurveIdentity.from_tls(tls)
+        elif tls is not None:
+            log.warning("TLS without tls_ca: the side channel stays unauthenticated plaintext")
+        engine = TransferEngine(ecfg).start()
         try:
             # Peers may only READ our KV cache (our own READs land in it all the same), unless
             # this instance accepts layer-wise pushes from prefill instances.
@@ -120,6 +128,7 @@ class TransferSession(LayerPush):
                 self._on_done,
                 on_push_target=self._on_push_target,
                 on_push_done=self._on_push_done,
+                curve=self._curve,
             )
         except BaseException:
             engine.close()
@@ -217,7 +226,7 @@ class TransferSession(LayerPush):
     def _client(self) -> SideChannelClient:
         client: SideChannelClient | None = getattr(self._tls, "client", None)
         if client is None:
-            client = SideChannelClient(self.config.handshake_timeout)
+            client = SideChannelClient(self.config.handshake_timeout, self._curve)
             self._tls.client = client
             with self._lock:
                 self._clients.append(client)
