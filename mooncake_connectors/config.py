@@ -104,9 +104,9 @@ class EngineConfig:
     backoff_initial / backoff_max: cool-down of a failing path, doubled per failure and decayed
         by successes.
     metrics_port: serve Prometheus metrics on host:metrics_port when set.
-    tls_cert / tls_key / tls_ca: PEM files; with a certificate the tcp data plane and the
-        engine's metadata and metrics listeners speak TLS, with a CA they require a peer
-        certificate signed by it (see :mod:`mooncake_connectors.tls`).
+    tls_cert / tls_key / tls_ca: PEM files; with a certificate the tcp data plane, the p2p
+        endpoint and /metrics speak TLS (and https:// metadata URLs are used with them), with a
+        CA they require a peer certificate signed by it (see :mod:`mooncake_connectors.tls`).
     """
 
     host: str = "127.0.0.1"

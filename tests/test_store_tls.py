@@ -103,3 +103,30 @@ def test_no_unix_socket_bypasses_tls(master: Master) -> None:
     with pytest.raises(OSError):
         u.connect(unix_name(host, int(port)))
     u.close()
+
+
+def test_metrics_and_health_over_mutual_tls(pki: dict[str, TlsConfig]) -> None:
+    import http.client
+    import ssl
+
+    from mooncake_connectors.tls import client_context
+
+    m = Master(MasterConfig(port=0, metrics_port=0, auth_token=TOKEN, tls=pki["master"])).start()
+    try:
+        port = m.metrics_port
+        assert port
+        conn = http.client.HTTPSConnection(
+            "127.0.0.1", port, timeout=5, context=client_context(pki["client"])
+        )
+        conn.request("GET", "/health")  # no bearer token: the certificate is the proof
+        assert conn.getresponse().status == 200
+        conn.close()
+        outsider = http.client.HTTPSConnection(
+            "127.0.0.1", port, timeout=5, context=client_context(pki["ca-only"])
+        )
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            outsider.request("GET", "/health")
+            outsider.getresponse()
+        outsider.close()
+    finally:
+        m.close()

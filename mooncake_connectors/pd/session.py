@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import ConfigError, LoadRefused, MooncakeConnectorsError, TransferError
 from ..transfer_core import TransferEngine
 from ..types import Access, TransferStatus
+from .curve import CurveIdentity
 from .layout import (
     check_compatible,
     layer_layouts,
@@ -40,7 +41,6 @@ from .messages import Done, WorkerLayout
 from .plan import RecvSpec, StepPlan
 from .push import LayerPush
 from .settings import SessionSettings, SessionStats
-from .curve import CurveIdentity
 from .side_channel import SideChannelClient, SideChannelServer
 
 log = logging.getLogger(__name__)

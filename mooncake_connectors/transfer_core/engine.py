@@ -273,7 +273,7 @@ class TransferEngine:
             self.close()
             raise
         if cfg.metrics_port is not None:
-            metrics.serve(cfg.host, cfg.metrics_port, cfg.auth_token)
+            metrics.serve(cfg.host, cfg.metrics_port, cfg.auth_token, cfg.tls)
         threading.Thread(target=self._watchdog, name="mc-engine-watchdog", daemon=True).start()
         log.info(
             "segment %s up: transports %s, metadata %s",
