@@ -132,8 +132,7 @@ class TcpServer:
         conn.settimeout(None)
         return True
 
-    def _serve(self, raw: socket.socket, who: str) -> None:
-        conn = raw
+    def _serve(self, conn: socket.socket, who: str) -> None:
         local = self.ctx.local
         hdr = bytearray(wire.REQ.size)
         hv = memoryview(hdr)
@@ -146,8 +145,13 @@ class TcpServer:
             _tune(conn)
             if self.tls_ctx is not None:
                 timeout = self.ctx.config.connect_timeout
-                stream = TlsStream(wrap_server(self.tls_ctx, raw, timeout), mutual=self.tls_mutual)
+                # wrapping detaches the plain socket: close() must find the TLS one to shut down
+                plain = conn
+                stream = TlsStream(wrap_server(self.tls_ctx, conn, timeout), mutual=self.tls_mutual)
                 conn = cast(socket.socket, stream)  # the part of the socket API used here
+                with self.lock:
+                    self.conns.discard(plain)
+                    self.conns.add(conn)
             if not self._handshake(conn):
                 return
             hsize = wire.REQ.size
@@ -233,7 +237,7 @@ class TcpServer:
             log.debug("connection from %s ended: %s", who, exc)
         finally:
             with self.lock:
-                self.conns.discard(raw)
+                self.conns.discard(conn)
             conn.close()
 
     def close(self) -> None:
