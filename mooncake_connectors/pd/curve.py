@@ -61,10 +61,16 @@ class CurveIdentity:
 
     @classmethod
     def from_tls(cls, tls: TlsConfig) -> CurveIdentity:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+        try:
+            from cryptography import x509
+            from cryptography.hazmat.primitives import hashes, serialization
+            from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+            from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+        except ImportError as exc:  # pragma: no cover - an install without the tls extra
+            raise ConfigError(
+                "the side channel with TLS needs the 'cryptography' package: "
+                "pip install 'mooncake-connectors[tls]'"
+            ) from exc
 
         if tls.cert is None or tls.key is None or tls.ca is None:
             raise ConfigError(
