@@ -4,6 +4,7 @@ With a CA the certificate stands in for the token; a client outside the CA is re
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -128,5 +129,23 @@ def test_metrics_and_health_over_mutual_tls(pki: dict[str, TlsConfig]) -> None:
             outsider.request("GET", "/health")
             outsider.getresponse()
         outsider.close()
+    finally:
+        m.close()
+
+
+def test_a_silent_connection_holds_no_one_up_and_is_closed(
+    pki: dict[str, TlsConfig],
+) -> None:
+    m = Master(MasterConfig(port=0, tls=pki["master"], frame_timeout=0.5)).start()
+    try:
+        host, port = m.address.rsplit(":", 1)
+        silent = socket.create_connection((host, int(port)), timeout=10)  # never says hello
+        try:
+            serves(m, pki["client"])
+            silent.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):  # a reset is a close too
+                assert silent.recv(1) == b""  # closed after frame_timeout, not held
+        finally:
+            silent.close()
     finally:
         m.close()

@@ -227,3 +227,18 @@ def test_p2p_metadata_and_data_over_tls(pki: dict[str, Path]) -> None:
     finally:
         i.close()
         t.close()
+
+
+def test_a_client_stuck_in_the_handshake_holds_no_one_up(
+    https: MetadataHTTPServer, pki: dict[str, Path]
+) -> None:
+    silent = socket.create_connection(("127.0.0.1", https.port), timeout=10)  # no ClientHello
+    try:
+        client = HttpMetadata(https.url, timeout=5, tls=tls(pki, "initiator"))
+        try:
+            client.put("k2", b"v2")
+            assert client.get("k2") == b"v2"
+        finally:
+            client.close()
+    finally:
+        silent.close()
