@@ -101,12 +101,11 @@ class TcpServer:
                 conn.close()
                 time.sleep(backoff.failed(OSError(str(exc))))
 
-    def _handshake(self, conn: socket.socket) -> bool:
+    def _handshake(self, conn: socket.socket, deadline: float) -> bool:
         # with mutual TLS the initiator's certificate already proved what the token would
         token = None if self.tls_mutual else self.ctx.config.auth_token
         nonce = os.urandom(16)
-        deadline = time.monotonic() + self.ctx.config.connect_timeout
-        conn.settimeout(self.ctx.config.connect_timeout)
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
         conn.sendall(
             wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_AUTH if token else 0, 0, nonce)
         )
@@ -143,6 +142,8 @@ class TcpServer:
         lo = hi = rights = 0
         try:
             _tune(conn)
+            # one deadline for the whole handshake, TLS and token alike
+            deadline = time.monotonic() + self.ctx.config.connect_timeout
             if self.tls_ctx is not None:
                 timeout = self.ctx.config.connect_timeout
                 # wrapping detaches the plain socket: close() must find the TLS one to shut down
@@ -152,7 +153,7 @@ class TcpServer:
                 with self.lock:
                     self.conns.discard(plain)
                     self.conns.add(conn)
-            if not self._handshake(conn):
+            if not self._handshake(conn, deadline):
                 return
             hsize = wire.REQ.size
             frame_timeout = self.ctx.config.frame_timeout
