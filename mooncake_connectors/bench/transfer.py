@@ -199,6 +199,7 @@ def run_transfer_benchmark(
         batch_n, batch_sz = int(n_s), parse_size(sz_s)
     span = max([*size_list, batch_n * batch_sz, 1])
 
+    load_start = os.getloadavg()  # GB/s here are wall-clock: other jobs' load shows in them
     meta = MetadataHTTPServer("127.0.0.1", 0).start()
     targets: dict[str, _Target] = {}
     engines: dict[str, TransferEngine] = {}
@@ -430,6 +431,7 @@ def run_transfer_benchmark(
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()},
         },
         "results": table,
         "ratios": ratios,
