@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from helpers import free_port, http_ok, wait_until
 from typer.testing import CliRunner
 
 from mooncake_connectors.cli import app
+from mooncake_connectors.errors import MetadataError
+from mooncake_connectors.tls import TlsConfig
 from mooncake_connectors.transfer_core.metadata import open_metadata
+from mooncake_connectors.transfer_core.metadata.http import HttpMetadata
 
 CLI = [sys.executable, "-m", "mooncake_connectors"]
 
@@ -71,6 +75,7 @@ def test_bench_transfer_emits_json() -> None:
             "--no-mooncake",
             "--transports",
             "tcp,shm",
+            "--tls",
         ],
         capture_output=True,
         text=True,
@@ -85,3 +90,46 @@ def test_bench_transfer_emits_json() -> None:
     assert result["results"]["COPY 1M"]["memcpy"] > 0
     assert "WRITE batch 8x64K" in result["results"]
     assert "tcp_vs_raw_socket" in result["ratios"]["READ 1M"]
+    assert row["ours_tcp_tls"] > 0 and "tcp_tls_vs_tcp" in result["ratios"]["READ 1M"]
+
+
+def test_certs_init_and_a_metadata_server_over_mutual_tls(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*CLI, "certs", "init", str(tmp_path), "--nodes", "meta,engine"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    files = json.loads(out.stdout)
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "metadata-server",
+            "--port",
+            str(port),
+            *("--tls-cert", files["meta"], "--tls-key", files["meta-key"]),
+            *("--tls-ca", files["ca"]),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        url = f"https://127.0.0.1:{port}/metadata"
+        mine = TlsConfig(files["engine"], files["engine-key"], files["ca"])
+        m = HttpMetadata(url, timeout=2, tls=mine)
+
+        def answers() -> bool:
+            try:
+                return m.get("nothing") is None
+            except MetadataError:
+                return False
+
+        wait_until(answers, 20, "metadata-server to answer over TLS")
+        m.put("a", b"b")
+        assert m.get("a") == b"b"
+        m.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

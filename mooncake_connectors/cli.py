@@ -19,6 +19,7 @@ from .config import DEFAULT_TRANSPORTS
 
 if TYPE_CHECKING:
     from .p2p import P2PStore
+    from .tls import TlsConfig
 
 app = typer.Typer(
     name="mooncake-connectors",
@@ -28,6 +29,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks (JSON on stdout).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+certs_app = typer.Typer(help="Development certificates for TLS.", no_args_is_help=True)
+app.add_typer(certs_app, name="certs")
 
 
 def _setup_logging(verbose: int) -> None:
@@ -76,6 +79,22 @@ Verbose = Annotated[int, typer.Option("--verbose", "-v", count=True, help="-v in
 Output = Annotated[str | None, typer.Option("--output", "-o", help="Also write JSON here.")]
 WorkDir = Annotated[str | None, typer.Option(help="Keep the model and the engine logs here.")]
 Lengths = Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")]
+TlsCert = Annotated[
+    str | None,
+    typer.Option(
+        help="PEM certificate: listen and connect over TLS [MOONCAKE_CONNECTORS_TLS_CERT]."
+    ),
+]
+TlsKey = Annotated[
+    str | None, typer.Option(help="PEM key of --tls-cert [MOONCAKE_CONNECTORS_TLS_KEY].")
+]
+TlsCa = Annotated[
+    str | None,
+    typer.Option(
+        help="PEM CA: peers must present a certificate it signed, which stands in for the "
+        "token (mutual TLS) [MOONCAKE_CONNECTORS_TLS_CA]."
+    ),
+]
 Rounds = Annotated[int, typer.Option(min=1, max=100, help="Prompts per length.")]
 MaxTokens = Annotated[int, typer.Option(min=1, help="Tokens generated per request.")]
 Layers = Annotated[int, typer.Option(min=1, help="Layers of the locally built model.")]
@@ -84,6 +103,29 @@ _DEFAULT_TRANSPORTS = ",".join(DEFAULT_TRANSPORTS)
 OurTransports = Annotated[
     str, typer.Option(help="Our connector's transports, in preference order.")
 ]
+
+
+def _tls(cert: str | None, key: str | None, ca: str | None) -> TlsConfig | None:
+    """The TLS files from the flags, else the environment (None: TLS off)."""
+    from .config import tls_from_env
+    from .errors import ConfigError
+
+    try:
+        return tls_from_env(cert, key, ca)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tls-cert/--tls-key/--tls-ca") from exc
+
+
+@certs_app.command("init")
+def certs_init(
+    directory: Annotated[str, typer.Argument(help="Where to write ca.pem and NODE.pem/.key.")],
+    nodes: Annotated[str, typer.Option(help="Comma-separated node names.")] = "node",
+) -> None:
+    """Make a development CA (reused if DIR has one) and a certificate per node."""
+    from . import certs
+
+    paths = certs.init(directory, tuple(_csv(nodes)))
+    typer.echo(json.dumps({name: str(p) for name, p in paths.items()}))
 
 
 def _csv(text: str) -> list[str]:
@@ -142,6 +184,9 @@ def metadata_server(
             "engines' or the store's token, >= 8 characters).",
         ),
     ] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_ca: TlsCa = None,
     verbose: Verbose = 0,
 ) -> None:
     """Run the embedded HTTP metadata server (the single-machine default) in the foreground."""
@@ -150,7 +195,8 @@ def metadata_server(
 
     if auth_token is not None and len(auth_token) < 8:
         raise typer.BadParameter("must be at least 8 characters", param_hint="--auth-token")
-    server = MetadataHTTPServer(host, port, path=path, token=auth_token)
+    tls = _tls(tls_cert, tls_key, tls_ca)
+    server = MetadataHTTPServer(host, port, path=path, token=auth_token, tls=tls)
     server.start()
     logging.getLogger("mooncake_connectors").info("metadata server on %s", server.url)
     try:
@@ -260,6 +306,9 @@ def proxy(
             "decode's blocks as it is computed (decode instances need accept_push)."
         ),
     ] = False,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_ca: TlsCa = None,
     verbose: Verbose = 0,
 ) -> None:
     """OpenAI-compatible PD proxy: prefill leg, then decode leg with the KV transfer params."""
@@ -336,6 +385,7 @@ def proxy(
             timeout=timeout,
             options=options,
             push=layerwise_push,
+            tls=_tls(tls_cert, tls_key, tls_ca),
         )
     except ConfigError as exc:
         raise SystemExit(f"proxy: {exc}") from exc
@@ -452,6 +502,9 @@ def master(
             "guards /metrics and /health (>= 8 characters).",
         ),
     ] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_ca: TlsCa = None,
     verbose: Verbose = 0,
 ) -> None:
     """Run the store master (metadata and allocation only) in the foreground."""
@@ -478,6 +531,7 @@ def master(
         key_budget=parse_size(key_budget),
         frame_timeout=frame_timeout,
         auth_token=auth_token,
+        tls=_tls(tls_cert, tls_key, tls_ca),
     )
     m = Master(cfg).start()
     typer.echo(json.dumps({"master": m.address, "metrics_port": m.metrics_port}), err=True)
@@ -512,6 +566,9 @@ def store_server(
         str,
         typer.Option(help="Transports, in preference order; without shm, control is TCP too."),
     ] = _DEFAULT_TRANSPORTS,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_ca: TlsCa = None,
     verbose: Verbose = 0,
 ) -> None:
     """Contribute memory (and SSD) to the store and hold the data, in the foreground."""
@@ -532,6 +589,7 @@ def store_server(
         metadata=metadata,
         auth_token=auth_token,
         transports=parse_transports(transports),
+        tls=_tls(tls_cert, tls_key, tls_ca),
     )
     server = StoreServer(cfg).start()
     typer.echo(json.dumps({"segment": server.segment, "pid": os.getpid()}), err=True)
@@ -564,6 +622,9 @@ def bench_transfer(
     rdma_verbs: Annotated[
         str, typer.Option(help="rdma: the verbs module (pyverbs; fake_verbs for the test fake).")
     ] = "pyverbs",
+    tls: Annotated[
+        bool, typer.Option(help="Also run tcp over mutual TLS (a fresh development CA).")
+    ] = False,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -592,6 +653,7 @@ def bench_transfer(
                 batch=batch,
                 with_mooncake=mooncake,
                 progress=advance,
+                tls=tls,
             )
     _emit(result.get("transfer", result) if len(result) == 1 else result, output)
 

@@ -175,7 +175,12 @@ class MooncakeDistributedStore:
         if self._client is not None:
             return self._fail("setup", RuntimeError("already set up"))
         try:
-            from .config import parse_transports, store_token_from_env, transports_from_env
+            from .config import (
+                parse_transports,
+                store_token_from_env,
+                tls_from_env,
+                transports_from_env,
+            )
             from .store.client import StoreClient
             from .store.config import ClientConfig
 
@@ -201,6 +206,7 @@ class MooncakeDistributedStore:
                 transports=transports,
                 # Mooncake's setup() has no token argument: the environment carries it.
                 auth_token=str(conf.get("auth_token") or store_token_from_env() or "") or None,
+                tls=tls_from_env(),  # likewise for TLS: MOONCAKE_CONNECTORS_TLS_*
             )
             self._client = StoreClient(cfg).start()
         except (MooncakeConnectorsError, ValueError, OSError, TypeError) as exc:

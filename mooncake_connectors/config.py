@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import ConfigError
+from .tls import TlsConfig
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -23,6 +24,11 @@ GIB = 1024 * MIB
 
 DEFAULT_METADATA_URL = "http://127.0.0.1:8080/metadata"
 STORE_TOKEN_ENV = "MOONCAKE_CONNECTORS_STORE_TOKEN"  # the store CLI's and Mooncake facade's
+TLS_ENV = {
+    "cert": "MOONCAKE_CONNECTORS_TLS_CERT",
+    "key": "MOONCAKE_CONNECTORS_TLS_KEY",
+    "ca": "MOONCAKE_CONNECTORS_TLS_CA",
+}
 DEFAULT_BINDS = frozenset({"127.0.0.1", "::1", "localhost"})
 # The transports an engine enables when nothing says otherwise, in preference order. Every
 # config that lets the user pick transports defaults to this one tuple.
@@ -58,6 +64,22 @@ def transports_from_env(env: Mapping[str, str] | None = None) -> tuple[str, ...]
     Mooncake facades, whose API has no place for it, are told to use e.g. TCP only."""
     raw = (os.environ if env is None else env).get(TRANSPORTS_ENV, "")
     return parse_transports(raw, f"environment variable {TRANSPORTS_ENV}") if raw.strip() else None
+
+
+def tls_from_env(
+    cert: str | None = None,
+    key: str | None = None,
+    ca: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> TlsConfig | None:
+    """TLS files given explicitly, else from MOONCAKE_CONNECTORS_TLS_{CERT,KEY,CA}; None when
+    neither names any (TLS off)."""
+    env = os.environ if env is None else env
+    return TlsConfig.of(
+        cert or env.get(TLS_ENV["cert"]),
+        key or env.get(TLS_ENV["key"]),
+        ca or env.get(TLS_ENV["ca"]),
+    )
 
 
 def store_token_from_env() -> str | None:
@@ -122,6 +144,9 @@ class EngineConfig:
     backoff_initial / backoff_max: cool-down of a failing path, doubled per failure and decayed
         by successes.
     metrics_port: serve Prometheus metrics on host:metrics_port when set.
+    tls_cert / tls_key / tls_ca: PEM files; with a certificate the tcp data plane, the p2p
+        endpoint and /metrics speak TLS (and https:// metadata URLs are used with them), with a
+        CA they require a peer certificate signed by it (see :mod:`mooncake_connectors.tls`).
     """
 
     host: str = "127.0.0.1"
@@ -142,9 +167,13 @@ class EngineConfig:
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     metrics_port: int | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         _check_host(self.host, "host")
+        self.tls  # noqa: B018 - checks the files now, not at the first connection
         _check_port(self.port, "port")
         if self.segment_name is not None and not self.segment_name.strip():
             raise ConfigError("segment_name must not be empty")
@@ -185,6 +214,10 @@ class EngineConfig:
         if self.metrics_port is not None:
             _check_port(self.metrics_port, "metrics_port")
 
+    @property
+    def tls(self) -> TlsConfig | None:
+        return TlsConfig.of(self.tls_cert, self.tls_key, self.tls_ca)
+
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -200,6 +233,9 @@ _ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "transports": ("MOONCAKE_CONNECTORS_TRANSPORTS",),
     "metrics_port": ("MOONCAKE_CONNECTORS_METRICS_PORT",),
     "transport_settings": ("MOONCAKE_CONNECTORS_TRANSPORT_SETTINGS",),
+    "tls_cert": (TLS_ENV["cert"],),
+    "tls_key": (TLS_ENV["key"],),
+    "tls_ca": (TLS_ENV["ca"],),
 }
 
 

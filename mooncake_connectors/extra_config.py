@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .config import EngineConfig, engine_config_from_env, store_token_from_env
+from .config import EngineConfig, engine_config_from_env, store_token_from_env, tls_from_env
 from .errors import ConfigError
 from .store.config import ClientConfig, parse_size
 
@@ -189,6 +189,21 @@ class Schema:
                 return
 
 
+# Every adapter takes these (its documentation repeats them); each unset one comes from
+# MOONCAKE_CONNECTORS_TLS_CERT / _KEY / _CA.
+TLS_KEYS: dict[str, Key] = {
+    "tls_cert": Key(
+        Kind.TEXT, "PEM certificate of this node: its listeners and connections use TLS", True
+    ),
+    "tls_key": Key(Kind.TEXT, "PEM private key of tls_cert", True),
+    "tls_ca": Key(
+        Kind.TEXT,
+        "PEM CA: peers must present a certificate it signed, which stands in for the token",
+        True,
+    ),
+}
+
+
 def client_config(
     *,
     master: str,
@@ -200,6 +215,9 @@ def client_config(
     global_segment_size: int = 0,
     rpc_timeout: float = 5.0,
     auth_token: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_ca: str | None = None,
 ) -> ClientConfig:
     """The store client's settings: every wait inside one call fits in ``timeout``, and a read
     from one replica leaves time to try another. ``auth_token``: the store's shared secret
@@ -215,6 +233,7 @@ def client_config(
         rpc_timeout=min(rpc_timeout, timeout),
         replica_timeout=min(1.0, timeout / 2),
         auth_token=auth_token or store_token_from_env(),
+        tls=tls_from_env(tls_cert, tls_key, tls_ca),
     )
 
 

@@ -6,6 +6,9 @@ loop. Retrying at once would spin (a level-triggered listener stays readable whi
 queue is full), so failures back off exponentially from ``BACKOFF_MIN`` to ``BACKOFF_MAX`` and are
 logged at most once per ``LOG_EVERY`` seconds, with how many were not logged.
 
+A TLS listener (given an ``ssl.SSLContext``) runs each handshake in the connection's own thread,
+under the request deadline, so a client that never finishes one holds no one else up.
+
 A per-``recv`` timeout does not stop a client sending one byte per second: request deadlines here
 cover a whole request (request line, headers and body), from its first byte.
 """
@@ -17,6 +20,8 @@ import http.server
 import io
 import logging
 import socket
+import ssl
+import sys
 import time
 from typing import Any
 
@@ -119,6 +124,9 @@ class GuardedHandler(http.server.BaseHTTPRequestHandler):
     deadline: float | None = None
 
     def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(getattr(self.server, "request_timeout", HTTP_REQUEST_TIMEOUT))
+            self.request.do_handshake()
         super().setup()
         self.request_timeout = getattr(self.server, "request_timeout", HTTP_REQUEST_TIMEOUT)
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
@@ -139,9 +147,11 @@ class GuardedHTTPServer(http.server.ThreadingHTTPServer):
         addr: tuple[str, int],
         handler: type[GuardedHandler],
         request_timeout: float = HTTP_REQUEST_TIMEOUT,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(addr, handler)
         self.request_timeout = request_timeout
+        self.tls = tls
         self.accept_backoff = AcceptBackoff(f"http {addr[0]}:{self.server_address[1]}", _log)
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -154,7 +164,18 @@ class GuardedHTTPServer(http.server.ThreadingHTTPServer):
                 time.sleep(self.accept_backoff.failed(exc))
             raise
         self.accept_backoff.succeeded()
+        if self.tls is not None:
+            sock, peer = got
+            return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), peer
         return got
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ssl.SSLError, TimeoutError, ConnectionError)):
+            # a refused certificate, a plaintext client, one that went quiet: no traceback
+            _log.info("http %s: dropped %s: %s", self.server_address, client_address, exc)
+            return
+        super().handle_error(request, client_address)
 
 
 _log = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 The target is another process (helpers.Peer); the initiator is an engine in this process that
 has only the transport under test enabled. Both kinds of target memory are covered: memfd-backed
-buffers and plain numpy arrays (for shm: mapping vs process_vm).
+buffers and plain numpy arrays (for shm: mapping vs process_vm). ``tcp+tls`` is tcp over mutual
+TLS, both sides holding certificates from ``certs init``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from fake_cuda import FakeCuda, ensure_cuda_ipc_registered
 from helpers import Peer, pattern
 
+from mooncake_connectors import certs
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import AccessViolation, SegmentNotFound
 from mooncake_connectors.transfer_core import TransferEngine, TransferRequest, cuda_driver
@@ -54,9 +56,18 @@ class Link:
         return self.peer.call("digest", addr=addr, length=n)["sha"]
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS.names())
-def link(request: pytest.FixtureRequest) -> Iterator[Link]:
+@pytest.fixture(scope="module", params=[*TRANSPORTS.names(), "tcp+tls"])
+def link(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Link]:
     name = request.param
+    tls: dict[str, str] = {}
+    if name == "tcp+tls":
+        name = "tcp"
+        p = certs.init(tmp_path_factory.mktemp("certs"), ("target", "initiator"))
+        tls = {"tls_ca": str(p["ca"])}
+    mine = {"tls_cert": str(p["initiator"]), "tls_key": str(p["initiator-key"])} if tls else {}
+    theirs = {"tls_cert": str(p["target"]), "tls_key": str(p["target-key"])} if tls else {}
     settings = {name: SETTINGS[name]} if name in SETTINGS else {}
     # cuda_ipc runs on the fake driver, both here and in the peer, over GPU memory on both ends:
     # "memfd" is then a plain device allocation (IPC handle) and "numpy" a VMM one (fd export).
@@ -70,6 +81,8 @@ def link(request: pytest.FixtureRequest) -> Iterator[Link]:
         transports=[name],
         transport_settings=settings,
         **({"fake_cuda": True} if gpu else {}),
+        **tls,
+        **theirs,
     )
     engine = TransferEngine(
         EngineConfig(
@@ -78,6 +91,8 @@ def link(request: pytest.FixtureRequest) -> Iterator[Link]:
             transport_settings=settings,
             slice_size=SLICE,
             timeout=20,
+            **tls,
+            **mine,
         )
     ).start()
     remote = {

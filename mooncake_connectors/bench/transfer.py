@@ -10,6 +10,8 @@ Every system walks the same way through a span of the largest size (each op touc
 block), so none is measured on one cache-hot address.
   * ``raw_socket``: a Python request/response loop over one loopback TCP socket with
     ``sendall``/``recv_into`` (the ceiling a TCP design in Python can hope for);
+  * ``ours_tcp_tls`` (``--tls``): the tcp transport over mutual TLS, both ends holding
+    certificates from a fresh ``certs init`` CA, against a second target of ours;
   * ``mooncake_tcp``: Mooncake's own TransferEngine (tcp protocol, P2PHANDSHAKE) when its wheel is
     installed.
 GB/s = bytes moved / wall time, median over rounds. Ratios compare ours with the others.
@@ -29,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..config import EngineConfig
+from ..config import TLS_ENV, EngineConfig, tls_from_env
 from ..errors import ConfigError
 from ..types import TransferOp
 
@@ -56,10 +58,12 @@ def _target_main(kind: str, size: int, metadata: str) -> None:
 
     info: dict[str, Any]
     keep: list[Any] = []
-    if kind == "ours":
+    if kind in ("ours", "ours_tls"):
         from ..transfer_core.engine import TransferEngine
 
-        eng = TransferEngine(EngineConfig(metadata=metadata)).start()
+        tls = tls_from_env() if kind == "ours_tls" else None
+        cfg = EngineConfig(metadata=metadata).replace(**(tls.fields() if tls else {}))
+        eng = TransferEngine(cfg).start()
         buf = eng.allocate_buffer(size)
         buf.array[:] = 7
         info = {"segment": eng.segment_name, "addr": buf.addr}
@@ -179,6 +183,7 @@ def run_transfer_benchmark(
     batch: str = "256x256K",
     with_mooncake: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    tls: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark; ``progress(done, total)`` is called after each measured case."""
     import numpy as np
@@ -194,6 +199,7 @@ def run_transfer_benchmark(
         batch_n, batch_sz = int(n_s), parse_size(sz_s)
     span = max([*size_list, batch_n * batch_sz, 1])
 
+    load_start = os.getloadavg()  # GB/s here are wall-clock: other jobs' load shows in them
     meta = MetadataHTTPServer("127.0.0.1", 0).start()
     targets: dict[str, _Target] = {}
     engines: dict[str, TransferEngine] = {}
@@ -217,6 +223,18 @@ def run_transfer_benchmark(
                 )
         for t in transports:
             engines[t] = TransferEngine(EngineConfig(metadata=meta.url, transports=(t,))).start()
+        if tls:
+            import tempfile
+
+            from .. import certs
+
+            pki = certs.init(tempfile.mkdtemp(prefix="mc-bench-tls-"), ("target", "initiator"))
+            env = {TLS_ENV["cert"]: str(pki["target"]), TLS_ENV["key"]: str(pki["target-key"])}
+            env[TLS_ENV["ca"]] = str(pki["ca"])
+            targets["ours_tls"] = _Target("ours_tls", span, meta.url, env=env)
+            files = {"tls_cert": str(pki["initiator"]), "tls_key": str(pki["initiator-key"])}
+            cfg = EngineConfig(metadata=meta.url, transports=("tcp",))
+            engines["tcp_tls"] = TransferEngine(cfg.replace(**files, tls_ca=str(pki["ca"]))).start()
         # One local buffer shared by all our engines: a plain numpy array, as an inference engine's
         # own tensors are (Mooncake's side uses one too). The target's buffer is memfd-backed.
         local = np.full(span, 3, dtype=np.uint8)
@@ -246,10 +264,12 @@ def run_transfer_benchmark(
         cp_shm.array[:] = 5
         shm_keep.append(cp_shm)
 
-        seg = targets["ours"].info["segment"]
-        raddr = targets["ours"].info["addr"]
+        def where(t: str) -> tuple[str, int]:
+            info = targets["ours_tls" if t == "tcp_tls" else "ours"].info
+            return info["segment"], info["addr"]
 
         def ours_case(e: TransferEngine, op: TransferOp, size: int) -> Callable[[], None]:
+            seg, raddr = where(e.config.transports[0] + ("_tls" if e.config.tls else ""))
             reqs = [
                 [TransferRequest(op, seg, local_addr + o, raddr + o, size)]
                 for o in _offsets(size, span)
@@ -262,6 +282,7 @@ def run_transfer_benchmark(
             return run
 
         def ours_batch(e: TransferEngine, op: TransferOp) -> Callable[[], None]:
+            seg, raddr = where(e.config.transports[0] + ("_tls" if e.config.tls else ""))
             reqs = [
                 TransferRequest(op, seg, local_addr + i * batch_sz, raddr + i * batch_sz, batch_sz)
                 for i in range(batch_n)
@@ -388,6 +409,8 @@ def run_transfer_benchmark(
     ratios: dict[str, dict[str, float]] = {}
     for label, row in table.items():
         r: dict[str, float] = {}
+        if row.get("ours_tcp_tls") and row.get("ours_tcp"):
+            r["tcp_tls_vs_tcp"] = round(row["ours_tcp_tls"] / row["ours_tcp"], 2)
         for t in transports:
             ours = row.get(f"ours_{t}")
             if ours is None:
@@ -408,6 +431,7 @@ def run_transfer_benchmark(
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()},
         },
         "results": table,
         "ratios": ratios,

@@ -44,10 +44,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from ..errors import ConfigError, ProtocolError
 from ..pd import params as pdp
+from ..tls import TlsConfig, client_context, server_context
 from .estimators import DecodeModel, PrefillModel, TransferModel
 from .live import CacheSource, KVEventSubscriber, LiveConductor, parse_vllm_metrics
 from .scheduler import Conductor, ConductorConfig
@@ -85,6 +86,7 @@ class PDProxy:
         metrics_timeout: float = 2.0,
         tokenize_timeout: float = 10.0,
         push: bool = False,
+        tls: TlsConfig | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode URL")
@@ -116,6 +118,10 @@ class PDProxy:
         self._poller: asyncio.Task[None] | None = None
         self.metrics_errors: dict[str, str] = {}
         self.push = push
+        # TLS: the listener's context (with a CA, clients need a CA-signed certificate), and
+        # the one for https:// instance URLs (our certificate, their CA-signed one)
+        self.server_ssl = server_context(tls) if tls is not None and tls.cert else None
+        self._upstream_ssl = client_context(tls) if tls is not None else None
         # prefill URL -> where its engine's side channels are (from its last answer), for push
         self.prefill_engines: dict[str, pdp.PrefillEngine] = {}
         self._legs: set[asyncio.Task[Any]] = set()  # prefill legs running beside their decode
@@ -131,7 +137,10 @@ class PDProxy:
         self.app.on_cleanup.append(self._stop)
 
     async def _start(self, app: web.Application) -> None:
-        self._session = ClientSession(timeout=self._timeout)
+        ssl = self._upstream_ssl
+        self._session = ClientSession(
+            timeout=self._timeout, connector=TCPConnector(ssl=ssl) if ssl is not None else None
+        )
         if self.live is not None:
             for sub in self.events:
                 sub.start()
@@ -571,6 +580,7 @@ def run_proxy(
     timeout: float = 600.0,
     options: ConductorOptions | None = None,
     push: bool = False,
+    tls: TlsConfig | None = None,
 ) -> None:
     """Serve the proxy in the foreground until interrupted (round-robin without ``options``)."""
     live = None
@@ -584,6 +594,8 @@ def run_proxy(
         interval = options.metrics_interval_s
     proxy = PDProxy(
         prefill, decode, timeout=timeout, live=live, kv_events=kv_events,
-        metrics_interval=interval, push=push,
+        metrics_interval=interval, push=push, tls=tls,
     )  # fmt: skip
-    web.run_app(proxy.app, host=host, port=port, print=None, access_log=None)
+    web.run_app(
+        proxy.app, host=host, port=port, print=None, access_log=None, ssl_context=proxy.server_ssl
+    )

@@ -29,6 +29,7 @@ from ..config import for_gpu
 from ..errors import ConfigError, LoadRefused, MooncakeConnectorsError, TransferError
 from ..transfer_core import TransferEngine
 from ..types import Access, TransferStatus
+from .curve import CurveIdentity
 from .layout import (
     check_compatible,
     layer_layouts,
@@ -74,6 +75,7 @@ class TransferSession(LayerPush):
         self.engine: TransferEngine | None = None
         self.layout: WorkerLayout | None = None
         self._server: SideChannelServer | None = None
+        self._curve: CurveIdentity | None = None  # with mutual TLS: the side channel's keys
         self._pool = concurrent.futures.ThreadPoolExecutor(_LOADERS, "mc-pd-load")
         self._tls = threading.local()
         self._clients: list[SideChannelClient] = []
@@ -107,6 +109,11 @@ class TransferSession(LayerPush):
         cfg = self.config.engine_config()
         if on_gpu:  # same-host peers copy GPU to GPU; tcp stages for the rest
             cfg = cfg.replace(transports=for_gpu(cfg.transports))
+        tls = cfg.tls
+        if tls is not None and tls.mutual:
+            self._curve = CurveIdentity.from_tls(tls)
+        elif tls is not None:
+            log.warning("TLS without tls_ca: the side channel stays unauthenticated plaintext")
         engine = TransferEngine(cfg).start()
         try:
             # Peers may only READ our KV cache (our own READs land in it all the same), unless
@@ -125,6 +132,7 @@ class TransferSession(LayerPush):
                 self._on_done,
                 on_push_target=self._on_push_target,
                 on_push_done=self._on_push_done,
+                curve=self._curve,
             )
         except BaseException:
             engine.close()
@@ -222,7 +230,7 @@ class TransferSession(LayerPush):
     def _client(self) -> SideChannelClient:
         client: SideChannelClient | None = getattr(self._tls, "client", None)
         if client is None:
-            client = SideChannelClient(self.config.handshake_timeout)
+            client = SideChannelClient(self.config.handshake_timeout, self._curve)
             self._tls.client = client
             with self._lock:
                 self._clients.append(client)

@@ -15,6 +15,10 @@ worker's own side channel.
 Messages are the msgspec msgpack structs of :mod:`.messages`. Clients are DEALER sockets owned by
 one thread each, with a deadline on every exchange; a reply carries the request's nonce so a late
 answer to an abandoned request is never taken for a newer one.
+
+With TLS and a CA the side channel speaks CURVE with keys bound to the TLS certificates
+(:mod:`.curve`): each message is preceded by a frame with the sender's binding, and one that does
+not prove a certificate of the CA is dropped.
 """
 
 from __future__ import annotations
@@ -24,10 +28,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
+from zmq.utils import z85
 
-from ..errors import ProtocolError, TransferTimeout, TransportBroken
+from ..errors import (
+    AuthenticationError,
+    MooncakeConnectorsError,
+    ProtocolError,
+    TransferTimeout,
+    TransportBroken,
+)
+from ..netguard import RateLimitedLog
+from .curve import CurveIdentity, split_endpoint
 from .messages import (
     Done,
     LayoutReply,
@@ -55,14 +69,34 @@ class SideChannelServer:
         on_done: Callable[[Done], None],
         on_push_target: Callable[[PushTarget], None] | None = None,
         on_push_done: Callable[[PushDone], None] | None = None,
+        curve: CurveIdentity | None = None,
     ) -> None:
         self._layout = layout
+        self._curve = curve
+        self._refused = RateLimitedLog(log)
         self._on_done = on_done
         self._on_push_target = on_push_target
         self._on_push_done = on_push_done
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._auth: Any = None
+        if curve is None:
+            self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        else:
+            from zmq.auth import CURVE_ALLOW_ANY
+            from zmq.auth.thread import ThreadAuthenticator
+
+            # A context of its own: one ZAP handler per context, and the shared one is not ours.
+            # ZAP admits any CURVE key and names it in each message's User-Id; the binding frame
+            # then decides (a key is only as good as the certificate that signed it).
+            self._ctx = zmq.Context()
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self._sock.curve_secretkey = z85.encode(curve.secret)
+            self._sock.curve_publickey = z85.encode(curve.public)
+            self._sock.curve_server = True
         # libzmq allocates a message's declared size when its header arrives: a peer announcing
         # more is disconnected instead. A peer that never finishes the ZMTP handshake is dropped
         # after HANDSHAKE_IVL.
@@ -78,9 +112,12 @@ class SideChannelServer:
                 self._sock.bind(f"tcp://{h}:*")
         except zmq.ZMQError as exc:
             self._sock.close()
+            self._close_auth()
             raise TransportBroken(f"side channel cannot bind {host}:{port}: {exc}") from exc
         endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+        if curve is not None:
+            self.endpoint = curve.endpoint(self.endpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mc-pd-side-channel", daemon=True)
         self._thread.start()
@@ -92,13 +129,16 @@ class SideChannelServer:
             if not poller.poll(100):
                 continue
             try:
-                identity, payload = self._sock.recv_multipart(zmq.NOBLOCK)
-            except (zmq.Again, ValueError):
-                continue  # a frame count we do not speak: drop it
+                got = self._recv()
+            except zmq.Again:
+                continue
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 raise
+            if got is None:
+                continue
+            identity, payload = got
             try:
                 msg = decode(payload)
             except ProtocolError as exc:
@@ -107,7 +147,8 @@ class SideChannelServer:
             try:
                 if isinstance(msg, LayoutRequest):
                     reply = LayoutReply(msg.nonce, self._layout())
-                    self._sock.send_multipart([identity, encode(reply)])
+                    mine = [self._curve.binding] if self._curve is not None else []
+                    self._sock.send_multipart([identity, *mine, encode(reply)])
                 elif isinstance(msg, Done):
                     self._on_done(msg)
                 elif isinstance(msg, PushTarget) and self._on_push_target is not None:
@@ -117,17 +158,44 @@ class SideChannelServer:
             except Exception:  # one bad exchange must not end the side channel
                 log.exception("side channel %s: cannot handle %r", self.endpoint, msg)
 
+    def _recv(self) -> tuple[bytes, bytes] | None:
+        """(sender, message) of the next message; None for one dropped (a frame count we do not
+        speak, or a CURVE key no certificate of the CA binds)."""
+        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        if self._curve is None:
+            return (frames[0].bytes, frames[1].bytes) if len(frames) == 2 else None
+        if len(frames) != 3:
+            return None
+        identity, binding, payload = frames
+        user = payload.get("User-Id")  # the client's CURVE key, named by the ZAP handler
+        if not isinstance(user, str) or not self._curve.check(binding.bytes, z85.decode(user)):
+            self._refused.warning(
+                "side channel %s: dropped a message whose sender's key no certificate of the "
+                "CA binds",
+                self.endpoint,
+            )
+            return None
+        return identity.bytes, payload.bytes
+
+    def _close_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
+        self._close_auth()
 
 
 class SideChannelClient:
     """DEALER sockets to peers' side channels; use one instance per thread (zmq rule)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, curve: CurveIdentity | None = None) -> None:
         self.timeout = timeout
+        self._curve = curve
+        self._server_keys: dict[str, bytes] = {}  # endpoint -> its CURVE key (raw)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
         self._nonce = itertools.count(1)
@@ -135,12 +203,24 @@ class SideChannelClient:
     def _sock(self, endpoint: str) -> zmq.Socket[bytes]:
         sock = self._socks.get(endpoint)
         if sock is None:
+            address, key = split_endpoint(endpoint)
+            if (key is None) != (self._curve is None):
+                why = "speaks CURVE (TLS there)" if key else "has no CURVE key (no TLS there)"
+                raise AuthenticationError(
+                    f"side channel {endpoint} {why}; both ends need the same TLS settings",
+                    peer=endpoint,
+                )
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 1000)
-            if endpoint.startswith("tcp://["):
+            if self._curve is not None and key is not None:
+                sock.curve_secretkey = z85.encode(self._curve.secret)
+                sock.curve_publickey = z85.encode(self._curve.public)
+                sock.curve_serverkey = z85.encode(key)
+                self._server_keys[endpoint] = key
+            if address.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
+            sock.connect(address)
             self._socks[endpoint] = sock
         return sock
 
@@ -155,12 +235,18 @@ class SideChannelClient:
         nonce = next(self._nonce)
         deadline = time.monotonic() + self.timeout
         try:
-            sock.send(encode(LayoutRequest(nonce)), zmq.NOBLOCK)
+            sock.send_multipart([*self._mine(), encode(LayoutRequest(nonce))], zmq.NOBLOCK)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                     break
-                msg = decode(sock.recv(zmq.NOBLOCK))
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if self._curve is not None and not (
+                    len(frames) == 2 and self._curve.check(frames[0], self._server_keys[endpoint])
+                ):
+                    log.warning("side channel %s: a reply without a valid binding", endpoint)
+                    continue
+                msg = decode(frames[-1])
                 if isinstance(msg, LayoutReply) and msg.nonce == nonce:
                     return msg.layout
         except zmq.ZMQError as exc:
@@ -186,12 +272,18 @@ class SideChannelClient:
     def send(self, endpoint: str, msg: Message) -> bool:
         """Queue one message without waiting; False when it could not be (dead peer)."""
         try:
-            self._sock(endpoint).send(encode(msg), zmq.NOBLOCK)
+            self._sock(endpoint).send_multipart([*self._mine(), encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # zmq.Again: the queue to a dead peer is full
             log.debug("could not send to %s: %s", endpoint, exc)
             self._drop(endpoint)
             return False
+        except MooncakeConnectorsError as exc:  # TLS on one end only
+            log.warning("could not send to %s: %s", endpoint, exc)
+            return False
         return True
+
+    def _mine(self) -> list[bytes]:
+        return [self._curve.binding] if self._curve is not None else []
 
     def close(self) -> None:
         for endpoint in list(self._socks):

@@ -105,7 +105,11 @@ class StoreClient:
         self.engine: TransferEngine | None = None
         self.server: Any = None  # the embedded StoreServer, if any
         self.link = MasterLink(
-            self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token, local_ipc=self.cfg.local_ipc
+            self.cfg.master,
+            self.cfg.rpc_timeout,
+            self.cfg.auth_token,
+            self.cfg.tls,
+            local_ipc=self.cfg.local_ipc,
         )
         self.stripe_size = 0
         self.put_lease = 60.0
@@ -131,7 +135,7 @@ class StoreClient:
             transports=cfg.transports,
             timeout=cfg.timeout,
             auth_token=cfg.auth_token,
-        )
+        ).replace(**(cfg.tls.fields() if cfg.tls else {}))
         self.engine = TransferEngine(ecfg).start()
         try:
             self._staging = Staging(self.engine, cfg.local_buffer_size)
@@ -142,6 +146,7 @@ class StoreClient:
                 self.link,
                 cfg.rpc_timeout,
                 cfg.auth_token,
+                cfg.tls,
                 local_ipc=cfg.local_ipc,
             )
             # Registering memory re-publishes this engine's descriptor and makes peers that read
@@ -164,6 +169,7 @@ class StoreClient:
                     rpc_timeout=cfg.rpc_timeout,
                     auth_token=cfg.auth_token,
                     transports=cfg.transports,
+                    tls=cfg.tls,
                 )
                 self.server = StoreServer(
                     scfg, engine=self.engine, client_id=self.client_id + "-seg"

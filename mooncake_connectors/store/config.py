@@ -11,6 +11,7 @@ import dataclasses
 
 from ..config import DEFAULT_TRANSPORTS, GIB, KIB, MIB
 from ..errors import ConfigError
+from ..tls import TlsConfig
 
 _UNITS = {"K": KIB, "M": MIB, "G": GIB, "T": 1024 * GIB}
 DEFAULT_MASTER_PORT = 50051  # Mooncake's master uses the same default
@@ -87,6 +88,7 @@ class MasterConfig:
     promote_hits: an object spilled to SSD is brought back into memory on its n-th read from SSD
     when that fits below the high watermark (0: never; 1: on the first read). auth_token: a
     shared secret every connection must prove (challenge/response) before any request.
+    tls: TLS on the control port; with a CA, a client's CA-signed certificate replaces the token.
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +112,7 @@ class MasterConfig:
     key_budget: int = 2048 * MIB
     promote_hits: int = 1
     auth_token: str | None = None
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         _check_token(self.auth_token)
@@ -167,7 +170,8 @@ class ServerConfig:
     bounce_size: registered memory through which SSD reads are served to clients.
     metadata: override the engines' metadata backend the master announces.
     auth_token: the master's shared secret; the server's transfer engine (its data port and its
-    p2p metadata endpoint) and its load endpoint require it too.
+    p2p metadata endpoint) and its load endpoint require it too. tls: the same for TLS: the
+    master connection, the load endpoint and the transfer engine all use these files.
     transports: its transfer engine's, in preference order; without ``shm`` it also talks to a
     loopback master over TCP instead of the abstract unix socket (see ``local_ipc``).
     """
@@ -182,6 +186,7 @@ class ServerConfig:
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     rpc_timeout: float = 5.0
     auth_token: str | None = None
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -220,6 +225,7 @@ class ClientConfig:
     default) takes the same-host shortcuts: shared memory for data and an abstract unix socket
     for control messages to a loopback master or server. ``("tcp",)`` is TCP only, data and
     control alike (loopback TCP on one host).
+    tls: TLS files for the master, load and data connections (and this client's engine).
     """
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
@@ -232,6 +238,7 @@ class ClientConfig:
     rpc_timeout: float = 5.0
     replica_timeout: float = 1.0
     auth_token: str | None = None
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)

@@ -14,6 +14,7 @@ import threading
 import time
 
 from ..errors import MasterUnavailable
+from ..tls import TlsConfig
 from .ha import LeaderResolver
 from .protocol import Code, Err, Msg
 from .rpc import Channel
@@ -24,10 +25,17 @@ _RETRY_PAUSE = 0.05
 
 class MasterLink:
     def __init__(
-        self, master: str, rpc_timeout: float, token: str | None = None, *, local_ipc: bool = True
+        self,
+        master: str,
+        rpc_timeout: float,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+        *,
+        local_ipc: bool = True,
     ) -> None:
         self.master = master
         self.token = token
+        self.tls = tls
         self.local_ipc = local_ipc  # see Channel
         self.rpc_timeout = rpc_timeout
         self._resolver = (
@@ -55,7 +63,7 @@ class MasterLink:
             ch.close()
             ch = None
         if ch is None:
-            ch = Channel(address, timeout, self.token, local_ipc=self.local_ipc)
+            ch = Channel(address, timeout, self.token, self.tls, local_ipc=self.local_ipc)
             self._local.ch = ch
             with self._lock:
                 self._channels = [c for c in self._channels if not c.closed]

@@ -24,6 +24,7 @@ from typing import Any
 from ..config import bearer_ok, info_needs_token
 from ..errors import ConfigError
 from ..netguard import GuardedHandler, GuardedHTTPServer
+from ..tls import server_context
 from .config import MasterConfig
 from .protocol import (
     Allocs,
@@ -125,6 +126,7 @@ class Master:
             frame_timeout=cfg.frame_timeout,
             name="mc-store-master",
             token=cfg.auth_token,
+            tls=cfg.tls,
         )
         self.rpc.start()
         if cfg.metrics_port is not None:
@@ -354,7 +356,9 @@ class Master:
 
         master = self
         token = self.cfg.auth_token or ""
-        guarded = info_needs_token(host, token)
+        tls = self.cfg.tls
+        # with mutual TLS every scraper already presented a CA-signed certificate
+        guarded = info_needs_token(host, token) and not (tls is not None and tls.mutual)
         registry = CollectorRegistry(auto_describe=False)
         counters = set(self.state.counters)
 
@@ -400,5 +404,6 @@ class Master:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._http = GuardedHTTPServer((host, port), Handler)
+        ctx = server_context(tls) if tls is not None and tls.cert is not None else None
+        self._http = GuardedHTTPServer((host, port), Handler, tls=ctx)
         threading.Thread(target=self._http.serve_forever, name="mc-store-http", daemon=True).start()

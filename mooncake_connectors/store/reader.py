@@ -17,6 +17,7 @@ import threading
 import time
 
 from ..errors import MooncakeConnectorsError, ReplicaUnavailable, StoreError
+from ..tls import TlsConfig
 from ..transfer_core.descriptor import host_id
 from ..transfer_core.engine import TransferEngine, TransferRequest
 from ..types import TransferOp, TransferStatus
@@ -49,11 +50,13 @@ class Reader:
         link: MasterLink,
         rpc_timeout: float,
         token: str | None = None,
+        tls: TlsConfig | None = None,
         *,
         local_ipc: bool = True,
     ) -> None:
         self.engine = engine
         self.token = token
+        self.tls = tls
         self.local_ipc = local_ipc  # see Channel
         self.replica_timeout = replica_timeout
         self.rpc_timeout = rpc_timeout
@@ -158,7 +161,7 @@ class Reader:
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
             ch = chans[endpoint] = Channel(
-                endpoint, self.rpc_timeout, self.token, local_ipc=self.local_ipc
+                endpoint, self.rpc_timeout, self.token, self.tls, local_ipc=self.local_ipc
             )
             with self._lock:
                 self._channels.append(ch)

@@ -5,6 +5,11 @@ between two Python processes took ~200 µs (the I/O threads add two thread hops 
 a plain TCP socket ~42 µs. A 4 KiB put is two round trips, so the control plane speaks length-
 prefixed msgspec frames (:mod:`.protocol`) on plain sockets: the server is one thread with a
 selector (its handler owns all state, no locks), a client blocks on its own socket with a deadline.
+
+With TLS (an ``ssl.SSLContext``) the server wraps each connection and runs its handshake in the
+loop, non-blocking, within ``frame_timeout``; it opens no unix socket (that path would skip the
+certificates), and with mutual TLS a connection is authenticated by its certificate, so the token
+challenge answers "not required" (see :mod:`mooncake_connectors.tls`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +33,14 @@ import msgspec
 from ..config import is_loopback
 from ..errors import AuthenticationError, ProtocolError
 from ..netguard import MIN_RATE, AcceptBackoff, RateLimitedLog
+from ..tls import (
+    TlsConfig,
+    client_context,
+    handshake_error,
+    refusal,
+    server_context,
+    wrap_client,
+)
 from .config import split_hostport
 from .protocol import (
     FLAG_NOTIFY,
@@ -80,6 +94,7 @@ class Conn:
         "counted",
         "data",
         "due",
+        "handshaking",
         "nonce",
         "opened",
         "peer",
@@ -101,6 +116,7 @@ class Conn:
         self.opened = time.monotonic()
         self.due = 0.0  # when the frame now arriving must be whole (0: none is arriving)
         self.counted = 0  # bytes of rbuf counted against the server's in-flight budget
+        self.handshaking = False  # TLS handshake not finished
 
 
 Handler = Callable[[Conn, Msg, int], "Msg | None"]
@@ -140,8 +156,11 @@ class FrameServer:
         token: str | None = None,
         frame_timeout: float = 10.0,
         max_inflight: int = 256 << 20,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.handler = handler
+        self.tls = server_context(tls) if tls is not None else None
+        self.tls_mutual = tls is not None and tls.mutual
         self.frame_timeout = frame_timeout
         self.max_inflight = max_inflight
         self.inflight = 0  # bytes of unfinished frames held, all connections
@@ -161,7 +180,7 @@ class FrameServer:
         # Loopback peers may use an abstract unix socket named after the TCP address: no TCP
         # stack on the way (measured ~10-20 % less per round trip than loopback TCP here).
         self._unix: socket.socket | None = None
-        if is_loopback(host):
+        if is_loopback(host) and self.tls is None:
             try:
                 u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 u.bind(unix_name(host, self.port))
@@ -227,9 +246,11 @@ class FrameServer:
                         self._drain_wake()
                     else:
                         conn: Conn = key.data
-                        if mask & selectors.EVENT_READ:
+                        if conn.handshaking:
+                            self._handshake(conn)
+                        elif mask & selectors.EVENT_READ:
                             self._read(conn)
-                        if mask & selectors.EVENT_WRITE and not conn.closed:
+                        if mask & selectors.EVENT_WRITE and not (conn.closed or conn.handshaking):
                             self._flush(conn)
         except Exception:
             log.exception("%s loop crashed", self.name)
@@ -284,14 +305,41 @@ class FrameServer:
                 peer = f"{addr[0]}:{addr[1]}"
             else:
                 peer = "unix"
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             conn = Conn(sock, peer)
+            conn.handshaking = self.tls is not None
+            conn.authed = self.tls_mutual  # its certificate is checked before any frame is read
             self.conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _handshake(self, conn: Conn) -> None:
+        assert isinstance(conn.sock, ssl.SSLSocket)
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+            return
+        except ssl.SSLWantWriteError:
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            return
+        except OSError as exc:  # a refused certificate, a client that does not speak TLS
+            self._limit_log.warning(
+                "%s: TLS handshake with %s failed: %s", self.name, conn.peer, exc
+            )
+            self._close(conn)
+            return
+        conn.handshaking = False
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._read(conn)  # the first frame may have come with the handshake's last flight
 
     def _read(self, conn: Conn) -> None:
         try:
             data = conn.sock.recv(_RECV)
-        except (BlockingIOError, InterruptedError):
+            # TLS: the selector sees the socket, not what OpenSSL already decrypted
+            while self.tls is not None and data and conn.sock.pending():  # type: ignore[attr-defined]
+                data += conn.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -331,6 +379,8 @@ class FrameServer:
                     self._close(conn)
                 else:
                     self._refuse(conn, f"frame not complete within {self.frame_timeout:g}s")
+            elif conn.handshaking and conn.opened < auth_by:
+                self._close(conn)
             elif self.token is not None and not conn.authed and conn.opened < auth_by:
                 self._refuse(conn, f"no authentication within {self.frame_timeout:g}s")
 
@@ -437,8 +487,8 @@ class FrameServer:
             return
         try:
             sent = conn.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            sent = 0  # TLS: OpenSSL wants these bytes again first, and the flush sends them
         except OSError:
             self._close(conn)
             return
@@ -449,7 +499,7 @@ class FrameServer:
     def _flush(self, conn: Conn) -> None:
         try:
             sent = conn.sock.send(conn.wbuf)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
             return
         except OSError:
             self._close(conn)
@@ -490,14 +540,28 @@ class Channel:
     _ids = itertools.count(1)
 
     def __init__(
-        self, address: str, timeout: float, token: str | None = None, *, local_ipc: bool = True
+        self,
+        address: str,
+        timeout: float,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+        *,
+        local_ipc: bool = True,
     ) -> None:
         host, port = split_hostport(address)
         self.address = address
-        sock = _connect_unix(host, port, timeout) if local_ipc and is_loopback(host) else None
+        # The abstract unix socket skips TLS's certificates: a TLS channel always takes TCP.
+        local = local_ipc and tls is None and is_loopback(host)
+        sock = _connect_unix(host, port, timeout) if local else None
         if sock is None:
             sock = socket.create_connection((host, port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                try:
+                    sock = wrap_client(client_context(tls), sock, timeout, address)
+                except BaseException:
+                    sock.close()
+                    raise
         self.sock: socket.socket = sock
         self.rbuf = bytearray()
         self.pushes: collections.deque[Msg] = collections.deque()
@@ -602,6 +666,11 @@ class Channel:
         self.sock.settimeout(timeout)
         try:
             self.sock.sendall(data)
+        except ssl.SSLError as exc:
+            assert isinstance(self.sock, ssl.SSLSocket)
+            err = refusal(self.sock, exc, self.address)
+            self.close()
+            raise err from exc
         except OSError as exc:
             self.close()
             raise ConnectionError(f"send to {self.address} failed: {exc}") from exc
@@ -637,6 +706,9 @@ class Channel:
                 data = self.sock.recv(_RECV)
             except TimeoutError:
                 return None
+            except ssl.SSLError as exc:  # TLS 1.3: a refused certificate shows on the first read
+                self.close()
+                raise handshake_error(exc, self.address) from exc
             except OSError as exc:
                 self.close()
                 raise ConnectionError(f"connection to {self.address} failed: {exc}") from exc

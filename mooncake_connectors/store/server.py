@@ -89,7 +89,11 @@ class StoreServer:
         self.heartbeat = 1.0
         self.registrations = 0  # how many times it mounted (1 + re-registrations)
         self.link = MasterLink(
-            self.cfg.master, self.cfg.rpc_timeout, self.cfg.auth_token, local_ipc=self.cfg.local_ipc
+            self.cfg.master,
+            self.cfg.rpc_timeout,
+            self.cfg.auth_token,
+            self.cfg.tls,
+            local_ipc=self.cfg.local_ipc,
         )
 
     @property
@@ -113,7 +117,7 @@ class StoreServer:
                 metadata=cfg.metadata or hello.metadata,
                 transports=cfg.transports,
                 auth_token=cfg.auth_token,
-            )
+            ).replace(**(cfg.tls.fields() if cfg.tls else {}))
             self.engine = TransferEngine(ecfg).start()
         try:
             self.buffer = self.engine.allocate_buffer(cfg.memory)
@@ -128,6 +132,7 @@ class StoreServer:
                     tick=self._expire_loans,
                     name="mc-store-load",
                     token=cfg.auth_token,
+                    tls=cfg.tls,
                 ).start()
             self._register(deadline + cfg.rpc_timeout)
         except BaseException:
@@ -183,6 +188,7 @@ class StoreServer:
                         address,
                         self.cfg.rpc_timeout,
                         self.cfg.auth_token,
+                        self.cfg.tls,
                         local_ipc=self.cfg.local_ipc,
                     )
                 except OSError as exc:

@@ -283,7 +283,7 @@ class TransferEngine:
             self.close()
             raise
         if cfg.metrics_port is not None:
-            metrics.serve(cfg.host, cfg.metrics_port, cfg.auth_token)
+            metrics.serve(cfg.host, cfg.metrics_port, cfg.auth_token, cfg.tls)
         threading.Thread(target=self._watchdog, name="mc-engine-watchdog", daemon=True).start()
         log.info(
             "segment %s up: transports %s, metadata %s",
@@ -310,7 +310,11 @@ class TransferEngine:
 
             try:
                 self._embedded_server = MetadataHTTPServer(
-                    u.hostname, u.port or 80, path=u.path or "/metadata", token=cfg.auth_token
+                    u.hostname,
+                    u.port or 80,
+                    path=u.path or "/metadata",
+                    token=cfg.auth_token,
+                    tls=cfg.tls if u.scheme == "https" else None,
                 ).start()
                 log.info("started the embedded metadata server at %s", self._embedded_server.url)
             except OSError as exc:  # another process won the race; use it

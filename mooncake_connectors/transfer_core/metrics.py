@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram,
 
 from ..config import bearer_ok, info_needs_token
 from ..netguard import GuardedHandler, GuardedHTTPServer
+from ..tls import TlsConfig, server_context
 
 BYTES = Counter(
     "mooncake_connectors_transfer_bytes", "Bytes moved by completed slices", ["transport", "op"]
@@ -64,13 +65,15 @@ _served: set[tuple[str, int]] = set()
 _lock = threading.Lock()
 
 
-def serve(host: str, port: int, token: str | None = None) -> None:
+def serve(host: str, port: int, token: str | None = None, tls: TlsConfig | None = None) -> None:
     """Serve /metrics on host:port once per process (idempotent: the first caller's token
-    holds). Off the default loopback binds a set token is required as a bearer token."""
+    holds). Off the default loopback binds a set token is required as a bearer token, unless
+    mutual TLS already asked for a CA-signed certificate."""
     with _lock:
         if (host, port) in _served:
             return
-        guarded = info_needs_token(host, token)
+        guarded = info_needs_token(host, token) and not (tls is not None and tls.mutual)
+        ctx = server_context(tls) if tls is not None and tls.cert is not None else None
 
         class Handler(GuardedHandler):
             def log_message(self, format: str, *args: object) -> None:
@@ -90,6 +93,6 @@ def serve(host: str, port: int, token: str | None = None) -> None:
         class Server(GuardedHTTPServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
-        srv = Server((host, port), Handler)
+        srv = Server((host, port), Handler, tls=ctx)
         threading.Thread(target=srv.serve_forever, name="mc-metrics-http", daemon=True).start()
         _served.add((host, port))

@@ -16,6 +16,7 @@ import pytest
 import zmq
 from helpers import wait_until
 
+from mooncake_connectors import certs
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.pd.messages import Done, LayoutRequest, decode
 from mooncake_connectors.pd.params import PullParams, PushParams, prompt_hash
@@ -37,10 +38,18 @@ class Settings:
     handshake_timeout: float = 5.0
     kv_lease: float = 120.0
     accept_push: bool = False
+    tls: tuple[str, str, str] | None = None  # cert, key, CA
 
     def engine_config(self) -> EngineConfig:
+        cert, key, ca = self.tls or (None, None, None)
         return EngineConfig(
-            host=self.host, metadata="p2p", transports=("tcp",), timeout=self.transfer_timeout
+            host=self.host,
+            metadata="p2p",
+            transports=("tcp",),
+            timeout=self.transfer_timeout,
+            tls_cert=cert,
+            tls_key=key,
+            tls_ca=ca,
         )
 
 
@@ -171,12 +180,19 @@ def _kv(fill: bool) -> dict[str, Any]:
     }
 
 
-@pytest.fixture()
-def workers() -> Iterator[tuple[TransferSession, TransferSession, Recorded, dict, dict]]:
+@pytest.fixture(params=["plain", "tls"])
+def workers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TransferSession, TransferSession, Recorded, dict, dict]]:
     """A prefill and a decode session (accepting pushes) with registered KV: (prefill, decode,
-    decode's stats, prefill's KV, decode's KV)."""
-    prefill, _ = session("eng-p", accept_push=True, transfer_timeout=3)
-    dec, stats = session("eng-d", accept_push=True, transfer_timeout=3)
+    decode's stats, prefill's KV, decode's KV). ``tls``: mutual TLS on the data plane and the p2p
+    metadata, CURVE bound to the certificates on the side channels."""
+    tls: dict[str, Any] = {"p": {}, "d": {}}
+    if request.param == "tls":
+        p = certs.init(tmp_path_factory.mktemp("pki"), ("p", "d"))
+        tls = {n: {"tls": (str(p[n]), str(p[f"{n}-key"]), str(p["ca"]))} for n in ("p", "d")}
+    prefill, _ = session("eng-p", accept_push=True, transfer_timeout=3, **tls["p"])
+    dec, stats = session("eng-d", accept_push=True, transfer_timeout=3, **tls["d"])
     src, dst = _kv(True), _kv(False)
     try:
         prefill.register(src, 0)

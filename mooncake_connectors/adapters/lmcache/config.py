@@ -23,7 +23,7 @@ from typing import Any
 
 from ...config import DEFAULT_TRANSPORTS, KIB, MIB
 from ...errors import ConfigError
-from ...extra_config import Key, Kind, Schema, client_config
+from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import DEFAULT_MASTER_PORT, MAX_REPLICAS, ClientConfig, check_master_address
 
 PREFIX = "remote_storage_plugin."
@@ -85,6 +85,9 @@ class PluginConfig:
     key_prefix: str = "lmcache/"
     list_limit: int = 100_000
     auth_token: str | None = dataclasses.field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -121,6 +124,9 @@ class PluginConfig:
             local_buffer_size=self.local_buffer_size,
             timeout=self.timeout,
             auth_token=self.auth_token,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_ca=self.tls_ca,
         )
 
 
@@ -150,6 +156,7 @@ KEYS: dict[str, Key] = {
     "key_prefix": Key(Kind.TEXT, "namespace of this plugin's keys (default lmcache/)", empty=True),
     "list_limit": Key(Kind.INT, "how many written keys list() remembers (default 100000)"),
     "auth_token": Key(Kind.TEXT, "the store's shared secret (default: none)"),
+    **TLS_KEYS,
 }
 
 

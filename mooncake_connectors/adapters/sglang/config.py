@@ -21,7 +21,7 @@ from typing import Any
 
 from ...config import DEFAULT_TRANSPORTS, MIB
 from ...errors import ConfigError
-from ...extra_config import Key, Kind, Schema, client_config
+from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import MAX_REPLICAS, ClientConfig, check_master_address
 
 # Keys SGLang itself puts into extra-config (or pops before we see it); not ours to check.
@@ -110,6 +110,9 @@ class HiCacheStoreConfig:
     allow_clear: bool = True
     log_interval: float = 30.0
     auth_token: str | None = dataclasses.field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -151,6 +154,9 @@ class HiCacheStoreConfig:
             timeout=self.timeout,
             rpc_timeout=self.rpc_timeout,
             auth_token=self.auth_token,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_ca=self.tls_ca,
         )
 
 
@@ -177,6 +183,7 @@ KEYS: dict[str, Key] = {
     "allow_clear": Key(Kind.BOOL, ""),
     "log_interval": _FLOAT,
     "auth_token": _TEXT,
+    **TLS_KEYS,
 }
 SCHEMA = Schema(
     "HiCacheStore",

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...config import DEFAULT_TRANSPORTS, EngineConfig
 from ...errors import ConfigError
-from ...extra_config import Key, Kind, Schema, engine_config
+from ...extra_config import TLS_KEYS, Key, Kind, Schema, engine_config
 
 CONNECTOR_NAME = "MooncakeConnectorsPD"
 
@@ -55,6 +55,7 @@ PD_KEYS: dict[str, Key] = {
         "decode: let prefill instances write KV into this instance's blocks layer by layer "
         "(layer-wise push; default false: peers may only read)",
     ),
+    **TLS_KEYS,
 }
 SCHEMA = Schema(CONNECTOR_NAME, PD_KEYS, label=lambda key: f"kv_connector_extra_config[{key!r}]")
 
@@ -74,6 +75,9 @@ class PDConfig:
     kv_lease: float = 120.0
     metrics_port: int | None = None
     accept_push: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not self.host or any(c.isspace() for c in self.host):
@@ -110,4 +114,7 @@ class PDConfig:
             tcp_lanes=self.tcp_lanes,
             auth_token=self.auth_token,
             metrics_port=self.metrics_port,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_ca=self.tls_ca,
         )

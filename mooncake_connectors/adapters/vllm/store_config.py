@@ -13,7 +13,7 @@ from typing import Any
 
 from ...config import DEFAULT_TRANSPORTS
 from ...errors import ConfigError
-from ...extra_config import Key, Kind, Schema, client_config
+from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import ClientConfig
 
 STORE_CONNECTOR_NAME = "MooncakeConnectorsStore"
@@ -62,6 +62,7 @@ STORE_KEYS: dict[str, Key] = {
         "true: load on a worker thread while vLLM keeps stepping; false: load inside the step "
         "that schedules the request (lower TTFT; that step waits for the load) (default false)",
     ),
+    **TLS_KEYS,
 }
 SCHEMA = Schema(
     STORE_CONNECTOR_NAME,
@@ -87,6 +88,9 @@ class StoreConnectorConfig:
     replicas: int = 1
     load_async: bool = False
     auth_token: str | None = dataclasses.field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("timeout", "lookup_timeout", "cooldown"):
@@ -118,4 +122,7 @@ class StoreConnectorConfig:
             timeout=timeout,
             local_buffer_size=1 << 20,  # KV moves zero-copy from vLLM's registered blocks
             auth_token=self.auth_token,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_ca=self.tls_ca,
         )

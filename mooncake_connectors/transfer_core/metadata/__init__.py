@@ -9,7 +9,7 @@ from .base import MetadataBackend
 METADATA_BACKENDS: Registry[MetadataBackend] = Registry(METADATA_GROUP, "mooncake_metadata")
 
 # Mooncake spells p2p mode this way in its metadata_server argument.
-_ALIASES = {"p2phandshake": "p2p"}
+_ALIASES = {"p2phandshake": "p2p", "https": "http"}  # https: the http backend over TLS
 
 
 def scheme_of(url: str) -> str:

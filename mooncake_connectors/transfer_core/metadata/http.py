@@ -9,13 +9,16 @@ Endpoint (``PATH`` defaults to ``/metadata``, as Mooncake's own HTTP metadata se
 With a token configured every request needs ``Authorization: Bearer TOKEN`` (else 401), except
 ``/health`` on the default loopback binds (see ``config.info_needs_token``). A read-only server
 (the one the ``p2p`` backend embeds: only its own process writes) answers PUT and DELETE with 405.
-The token travels in clear text: it keeps out those who cannot see the traffic, nothing more.
+Without TLS the token travels in clear text: it keeps out those who cannot see the traffic,
+nothing more. With TLS (an ``https://`` URL, the server given a certificate) it is encrypted, and
+with mutual TLS (a CA) a client certificate signed by the CA stands in for the token.
 """
 
 from __future__ import annotations
 
 import http.client
 import logging
+import ssl
 import sys
 import threading
 import urllib.parse
@@ -26,6 +29,7 @@ from ...config import EngineConfig, bearer_ok, info_needs_token, is_loopback
 from ...errors import ConfigError, MetadataError
 from ...netguard import HTTP_REQUEST_TIMEOUT, GuardedHandler, GuardedHTTPServer
 from ...plugins import hookimpl
+from ...tls import TlsConfig, client_context, server_context
 from .base import MetadataBackend
 
 log = logging.getLogger(__name__)
@@ -137,8 +141,9 @@ class _Server(GuardedHTTPServer):
         token: str | None,
         writable: bool = True,
         request_timeout: float = HTTP_REQUEST_TIMEOUT,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        super().__init__(addr, _Handler, request_timeout)
+        super().__init__(addr, _Handler, request_timeout, tls)
         self.host = addr[0]
         self.path = path.rstrip("/") or "/"
         self.token = token
@@ -159,12 +164,17 @@ class MetadataHTTPServer:
         token: str | None = None,
         writable: bool = True,
         request_timeout: float = HTTP_REQUEST_TIMEOUT,
+        tls: TlsConfig | None = None,
     ) -> None:
         if not path.startswith("/"):
             raise ConfigError(f"metadata path must start with '/', got {path!r}")
+        if tls is not None and tls.mutual:
+            token = None  # every client presented a CA-signed certificate: that is the proof
         # request_timeout: a whole request (line, headers, body) must arrive within it
-        self._srv = _Server((host, port), path, token, writable, request_timeout)
-        if not token and not is_loopback(host):
+        ctx = server_context(tls) if tls is not None else None
+        self._srv = _Server((host, port), path, token, writable, request_timeout, ctx)
+        self.scheme = "https" if ctx is not None else "http"
+        if not token and not is_loopback(host) and not (tls is not None and tls.mutual):
             log.warning(
                 "metadata server bound to %s without a token: anyone who reaches it can read "
                 "and replace segment descriptors",
@@ -179,7 +189,7 @@ class MetadataHTTPServer:
     @property
     def url(self) -> str:
         h = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{h}:{self.port}{self.path}"
+        return f"{self.scheme}://{h}:{self.port}{self.path}"
 
     def start(self) -> MetadataHTTPServer:
         self._thread = threading.Thread(target=self._serve, name="mc-metadata-http", daemon=True)
@@ -229,13 +239,24 @@ class MetadataHTTPServer:
 class HttpClient:
     """A small keep-alive client of the endpoint above; every call has a deadline."""
 
-    def __init__(self, url: str, *, timeout: float = 5.0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 5.0,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         u = urllib.parse.urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
-            raise ConfigError(f"metadata URL must look like http://HOST:PORT/PATH, got {url!r}")
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ConfigError(f"metadata URL must look like http(s)://HOST:PORT/PATH, got {url!r}")
         self.url = url
         self.host = u.hostname
-        self.port = u.port or 80
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        # https without our TLS files: a server with a certificate from the system's CAs
+        self.tls: ssl.SSLContext | None = None
+        if u.scheme == "https":
+            self.tls = client_context(tls) if tls is not None else ssl.create_default_context()
         self.path = u.path or "/metadata"
         self.timeout = timeout
         self.token = token
@@ -252,8 +273,12 @@ class HttpClient:
         with self._lock:
             for attempt in (0, 1):  # one reconnect: a kept-alive connection may have gone stale
                 if self._conn is None:
-                    self._conn = http.client.HTTPConnection(
-                        self.host, self.port, timeout=self.timeout
+                    self._conn = (
+                        http.client.HTTPSConnection(
+                            self.host, self.port, timeout=self.timeout, context=self.tls
+                        )
+                        if self.tls is not None
+                        else http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
                     )
                 try:
                     self._conn.request(method, target, body=body, headers=headers)
@@ -288,14 +313,21 @@ def _check(status: int, data: bytes, url: str, ok: tuple[int, ...] = (200,)) -> 
 class HttpMetadata(MetadataBackend):
     scheme = "http"
 
-    def __init__(self, url: str, *, timeout: float = 5.0, token: str | None = None) -> None:
-        self.client = HttpClient(url, timeout=timeout, token=token)
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 5.0,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
+        self.client = HttpClient(url, timeout=timeout, token=token, tls=tls)
 
     @classmethod
     def from_url(cls, url: str, config: EngineConfig | None = None) -> HttpMetadata:
         if config is None:
             return cls(url)
-        return cls(url, timeout=config.connect_timeout, token=config.auth_token)
+        return cls(url, timeout=config.connect_timeout, token=config.auth_token, tls=config.tls)
 
     def put(self, key: str, value: bytes) -> None:
         status, data = self.client.request("PUT", {"key": key}, bytes(value))

@@ -12,6 +12,7 @@ import threading
 from ...config import EngineConfig
 from ...errors import AuthenticationError, MetadataError, SegmentNotFound
 from ...plugins import hookimpl
+from ...tls import TlsConfig
 from ..descriptor import SegmentDesc, decode_segment
 from .base import SEGMENT_PREFIX, MetadataBackend
 from .http import HttpClient, MetadataHTTPServer
@@ -27,12 +28,14 @@ class P2PMetadata(MetadataBackend):
         *,
         timeout: float = 5.0,
         token: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         # Peers only read a p2p endpoint; accepting their writes would let anyone who reaches it
         # replace this process's descriptor.
         self.server = MetadataHTTPServer(
-            host, port, path="/metadata", token=token, writable=False
+            host, port, path="/metadata", token=token, writable=False, tls=tls
         ).start()
+        self.tls = tls  # all peers of a p2p cluster speak TLS, or none
         self.host = host
         self.timeout = timeout
         self.token = token
@@ -43,7 +46,13 @@ class P2PMetadata(MetadataBackend):
     def from_url(cls, url: str, config: EngineConfig | None = None) -> P2PMetadata:
         if config is None:
             return cls()
-        return cls(config.host, 0, timeout=config.connect_timeout, token=config.auth_token)
+        return cls(
+            config.host,
+            0,
+            timeout=config.connect_timeout,
+            token=config.auth_token,
+            tls=config.tls,
+        )
 
     @property
     def address(self) -> str:
@@ -72,7 +81,10 @@ class P2PMetadata(MetadataBackend):
             client = self._clients.get(name)
             if client is None:
                 client = HttpClient(
-                    f"http://{name}/metadata", timeout=self.timeout, token=self.token
+                    f"{self.server.scheme}://{name}/metadata",
+                    timeout=self.timeout,
+                    token=self.token,
+                    tls=self.tls,
                 )
                 self._clients[name] = client
         try:

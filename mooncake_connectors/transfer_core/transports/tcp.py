@@ -17,10 +17,12 @@ import logging
 import os
 import queue
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 from ...errors import (
     AuthenticationError,
@@ -32,14 +34,16 @@ from ...errors import (
     TransportClosed,
 )
 from ...plugins import hookimpl
+from ...tls import client_context, handshake_error, wrap_client
 from ...types import LocationKind, TransferOp
 from .. import cuda_driver
 from ..descriptor import RegionDesc, SegmentDesc
 from ..transport import Slice, Transport, TransportContext, TransportSettings, load_settings
 from . import wire
 from .staging import Staging
-from .tcp_server import TcpServer, _tune
+from .tcp_server import TLS_ENDPOINT, TcpServer, _tune
 from .tcp_staged import StagedTcp
+from .tls_stream import TlsStream
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,17 @@ def open_connection(
         sock = socket.create_connection((host, port), timeout=limit)
     except OSError as exc:
         raise _setup_error("cannot connect", exc, deadline, peer, path) from exc
+    certified = False  # the target proved membership with a CA-signed certificate
     try:
         _tune(sock)
+        tls = cfg.tls
+        if tls is not None:
+            stream = TlsStream(
+                wrap_client(client_context(tls), sock, limit, peer, path), mutual=tls.mutual
+            )
+            stream.settimeout(limit)
+            certified = tls.mutual
+            sock = cast(socket.socket, stream)  # the part of the socket API the transport uses
         hello = bytearray(wire.HELLO.size)
         wire.recv_exact(sock, memoryview(hello))
         magic, version, flags, _, nonce = wire.HELLO.unpack(hello)
@@ -94,11 +107,13 @@ def open_connection(
                 path=path,
             )
         token = cfg.auth_token
-        if bool(flags & wire.FLAG_AUTH) != bool(token):
+        asked = bool(flags & wire.FLAG_AUTH)
+        if asked != bool(token) and not (certified and not asked):
             # A target that asks for no token cannot prove it holds ours: it may be anyone who
-            # published a descriptor, so nothing is sent to it.
+            # published a descriptor, so nothing is sent to it (unless its certificate proved it).
             why = "requires a token and none is configured" if not token else "asks for no token"
             raise AuthenticationError(f"peer {why}", peer=peer, path=path)
+        token = token if asked else None
         ours = os.urandom(wire.NONCE)
         proof = wire.initiator_proof(token, nonce, ours)
         sock.sendall(wire.AUTH.pack(wire.MAGIC, wire.VERSION, 0, proof, ours))
@@ -114,6 +129,9 @@ def open_connection(
         if not hmac.compare_digest(theirs, wire.target_proof(token, nonce, ours)):
             raise AuthenticationError("peer failed to prove the token", peer=peer, path=path)
         sock.settimeout(None)
+    except ssl.SSLError as exc:  # TLS 1.3: a refused certificate is an alert on the first read
+        sock.close()
+        raise handshake_error(exc, peer, path) from exc
     except OSError as exc:
         sock.close()
         raise _setup_error("handshake failed", exc, deadline, peer, path) from exc
@@ -409,7 +427,10 @@ class TcpTransport(Transport):
         self._server.staging = self._staging
         host = self.ctx.config.host
         host = f"[{host}]" if ":" in host else host
-        return {"tcp": f"{host}:{self._server.port}"}
+        ours = {"tcp": f"{host}:{self._server.port}"}
+        if self._server.tls_ctx is not None:
+            ours[TLS_ENDPOINT] = "mutual" if self._server.tls_mutual else "server"
+        return ours
 
     def serves(self, local: LocationKind, remote: LocationKind) -> bool:
         return local in _HOST_OR_GPU and remote in _HOST_OR_GPU  # GPU ends are staged
@@ -429,6 +450,14 @@ class TcpTransport(Transport):
             if not slices:
                 return
         addr = peer.endpoints["tcp"]
+        if TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None:
+            refused = AuthenticationError(
+                "peer requires TLS and no TLS is configured here (tls_cert/tls_key/tls_ca)",
+                peer=peer.name,
+            )
+            for s in slices:
+                s.complete(refused)
+            return
         if inline_ok and not self._closed:
             self._run_direct(peer, addr, slices)
             return

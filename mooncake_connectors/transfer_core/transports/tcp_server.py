@@ -19,21 +19,32 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
-from ...errors import AccessViolation, GpuError, MooncakeConnectorsError, TransferTimeout
+from ...errors import (
+    AccessViolation,
+    ConfigError,
+    GpuError,
+    MooncakeConnectorsError,
+    TransferTimeout,
+)
 from ...netguard import MIN_RATE, AcceptBackoff, listener_closed
+from ...tls import server_context, wrap_server
 from ...types import Access
 from .. import cuda_driver
 from ..memory import Region
 from ..transport import TransportContext
 from . import staging, wire  # staging: the type of the pool lent by the transport
+from .tls_stream import TlsStream
 
 log = logging.getLogger(__name__)
 
 _WAITALL = socket.MSG_WAITALL
+TLS_ENDPOINT = "tcp-tls"  # in a descriptor: the tcp endpoint speaks TLS ("mutual" or "server")
 _READ = int(Access.READ)
 _WRITE = int(Access.WRITE)
 
@@ -65,6 +76,11 @@ class TcpServer:
         self.control = control
         self.data = data
         cfg = ctx.config
+        tls = cfg.tls
+        if tls is not None and tls.cert is None:
+            raise ConfigError("the tcp transport listens: tls_ca needs tls_cert and tls_key too")
+        self.tls_ctx = server_context(tls) if tls is not None else None
+        self.tls_mutual = tls is not None and tls.mutual
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -106,11 +122,11 @@ class TcpServer:
                 conn.close()
                 time.sleep(backoff.failed(OSError(str(exc))))
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        token = self.ctx.config.auth_token
+    def _handshake(self, conn: socket.socket, deadline: float) -> bool:
+        # with mutual TLS the initiator's certificate already proved what the token would
+        token = None if self.tls_mutual else self.ctx.config.auth_token
         nonce = os.urandom(16)
-        deadline = time.monotonic() + self.ctx.config.connect_timeout
-        conn.settimeout(self.ctx.config.connect_timeout)
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
         conn.sendall(
             wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_AUTH if token else 0, 0, nonce)
         )
@@ -147,7 +163,18 @@ class TcpServer:
         lo = hi = rights = 0
         try:
             _tune(conn)
-            if not self._handshake(conn):
+            # one deadline for the whole handshake, TLS and token alike
+            deadline = time.monotonic() + self.ctx.config.connect_timeout
+            if self.tls_ctx is not None:
+                timeout = self.ctx.config.connect_timeout
+                # wrapping detaches the plain socket: close() must find the TLS one to shut down
+                plain = conn
+                stream = TlsStream(wrap_server(self.tls_ctx, conn, timeout), mutual=self.tls_mutual)
+                conn = cast(socket.socket, stream)  # the part of the socket API used here
+                with self.lock:
+                    self.conns.discard(plain)
+                    self.conns.add(conn)
+            if not self._handshake(conn, deadline):
                 return
             hsize = wire.REQ.size
             frame_timeout = self.ctx.config.frame_timeout
@@ -234,6 +261,8 @@ class TcpServer:
                     _answer(conn, _ok(rid), deadline)
         except TimeoutError as exc:
             log.info("closing %s: %s", who, exc)
+        except ssl.SSLError as exc:  # a refused certificate, or a client not speaking TLS
+            log.info("closing %s: TLS: %s", who, exc)
         except (OSError, ConnectionError) as exc:
             log.debug("connection from %s ended: %s", who, exc)
         finally:
