@@ -815,6 +815,34 @@ def bench_sglang(
     typer.echo(text)
 
 
+@app.command()
+def fuzz(
+    frames: Annotated[int, typer.Option(min=1, help="Frames sent to each port.")] = 100_000,
+    port: Annotated[
+        list[str] | None,
+        typer.Option(help="Targets to fuzz (te, master, load, metadata, side, proxy); all."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the frame generator (a run replays).")] = 0,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Hostile frames at every listening port, each target in its own process (JSON report);
+    exits 1 when any port crashed, stopped serving, grew its memory or wrote outside a region."""
+    _setup_logging(verbose)
+    from .bench.fuzz import run_fuzz
+    from .bench.fuzz_frames import PORTS
+
+    kinds = _split_urls(port or []) or list(PORTS)
+    unknown = [k for k in kinds if k not in PORTS]
+    if unknown:
+        raise typer.BadParameter(f"unknown target(s) {unknown}; known: {list(PORTS)}")
+    with _progress("fuzz") as advance:
+        result = run_fuzz(frames, kinds, seed=seed, progress=lambda _p, n, t: advance(n, t))
+    _emit(result, output)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     try:
         app()
