@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from .config import EngineConfig
+from .config import DEFAULT_TRANSPORTS, EngineConfig
 from .errors import MooncakeConnectorsError
 from .transfer_core.engine import TransferEngine as _Engine
 from .transfer_core.engine import TransferRequest
@@ -28,7 +28,10 @@ from .types import TransferOp
 
 log = logging.getLogger(__name__)
 
-_PROTOCOLS: dict[str, tuple[str, ...]] = {"tcp": ("shm", "tcp"), "rdma": ("shm", "rdma", "tcp")}
+_PROTOCOLS: dict[str, tuple[str, ...]] = {
+    "tcp": DEFAULT_TRANSPORTS,
+    "rdma": (*DEFAULT_TRANSPORTS[:-1], "rdma", DEFAULT_TRANSPORTS[-1]),
+}
 
 
 def _metadata_url(metadata_server: str) -> str:

@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import json
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
 from .errors import ConfigError
 
@@ -21,6 +24,9 @@ GIB = 1024 * MIB
 DEFAULT_METADATA_URL = "http://127.0.0.1:8080/metadata"
 STORE_TOKEN_ENV = "MOONCAKE_CONNECTORS_STORE_TOKEN"  # the store CLI's and Mooncake facade's
 DEFAULT_BINDS = frozenset({"127.0.0.1", "::1", "localhost"})
+# The transports an engine enables when nothing says otherwise, in preference order. Every
+# config that lets the user pick transports defaults to this one tuple.
+DEFAULT_TRANSPORTS: tuple[str, ...] = ("shm", "tcp")
 
 
 def store_token_from_env() -> str | None:
@@ -72,7 +78,10 @@ class EngineConfig:
         embedded metadata server in this process (the single-machine default).
     transports: names from the ``mooncake_connectors.transports`` group, in preference order
         for paths both can serve.
-    tcp_lanes: TCP connections per peer; slices of a request are spread over them.
+    transport_settings: transport name -> that transport's own settings (each transport
+        declares and checks its keys, e.g. ``{"tcp": {"lanes": 8}}``).
+    tcp_lanes: TCP connections per peer; slices of a request are spread over them (kept for
+        existing callers; ``transport_settings={"tcp": {"lanes": N}}`` wins when given).
     slice_size: requests larger than this are cut into slices of at most this many bytes.
     auth_token: shared secret; when set every listening port requires challenge/response.
     timeout: default deadline (seconds) of a transfer request.
@@ -89,7 +98,10 @@ class EngineConfig:
     segment_name: str | None = None
     metadata: str = DEFAULT_METADATA_URL
     metadata_autostart: bool = True
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
+    transport_settings: Mapping[str, Mapping[str, Any]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}), hash=False
+    )
     tcp_lanes: int = 4
     slice_size: int = 8 * MIB
     auth_token: str | None = None
@@ -111,6 +123,16 @@ class EngineConfig:
             raise ConfigError("at least one transport must be enabled")
         if len(set(self.transports)) != len(self.transports):
             raise ConfigError(f"transports listed twice: {self.transports}")
+        if not isinstance(self.transport_settings, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Mapping)
+            for k, v in self.transport_settings.items()
+        ):
+            raise ConfigError("transport_settings must map transport names to mappings of settings")
+        stray = set(self.transport_settings) - set(self.transports)
+        if stray:
+            raise ConfigError(
+                f"transport_settings names transports that are not enabled: {sorted(stray)}"
+            )
         if not 1 <= self.tcp_lanes <= 64:
             raise ConfigError(f"tcp_lanes must be in 1..64, got {self.tcp_lanes}")
         if not 4 * KIB <= self.slice_size <= 1 * GIB:
@@ -146,7 +168,15 @@ _ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "timeout": ("MOONCAKE_CONNECTORS_TIMEOUT", "MC_TRANSFER_TIMEOUT"),
     "transports": ("MOONCAKE_CONNECTORS_TRANSPORTS",),
     "metrics_port": ("MOONCAKE_CONNECTORS_METRICS_PORT",),
+    "transport_settings": ("MOONCAKE_CONNECTORS_TRANSPORT_SETTINGS",),
 }
+
+
+def _json_object(raw: str) -> dict[str, Any]:
+    value = json.loads(raw)  # JSONDecodeError is a ValueError, reported by the caller
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 def engine_config_from_env(
@@ -165,6 +195,8 @@ def engine_config_from_env(
                     values[field] = int(raw)
                 elif field == "timeout":
                     values[field] = float(raw)
+                elif field == "transport_settings":
+                    values[field] = _json_object(raw)
                 elif field == "transports":
                     values[field] = tuple(t.strip() for t in raw.split(",") if t.strip())
                 else:

@@ -52,6 +52,10 @@ def main() -> None:
                     addr = int(arr.ctypes.data)
                     keep[addr] = arr
                 reply = {"addr": addr}
+            elif cmd == "unregister":
+                assert engine is not None
+                engine.unregister(msg["addr"])
+                reply = {}
             elif cmd == "digest":
                 data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
                 reply = {"sha": hashlib.sha256(data).hexdigest()}

@@ -25,6 +25,8 @@ from mooncake_connectors.types import TransferOp, TransferStatus
 
 SLICE = 64 * 1024  # small slices so moderate sizes exercise slicing
 SPAN = 8 * 1024 * 1024
+# rdma runs on the test-only fake of the pyverbs objects (tests/fake_verbs.py): no RDMA device here
+SETTINGS: dict[str, dict[str, Any]] = {"rdma": {"verbs": "fake_verbs"}}
 
 
 class Link:
@@ -41,10 +43,17 @@ class Link:
 @pytest.fixture(scope="module", params=TRANSPORTS.names())
 def link(request: pytest.FixtureRequest) -> Iterator[Link]:
     name = request.param
+    settings = {name: SETTINGS[name]} if name in SETTINGS else {}
     srv = MetadataHTTPServer("127.0.0.1", 0).start()
-    peer = Peer(metadata=srv.url, transports=[name])
+    peer = Peer(metadata=srv.url, transports=[name], transport_settings=settings)
     engine = TransferEngine(
-        EngineConfig(metadata=srv.url, transports=(name,), slice_size=SLICE, timeout=20)
+        EngineConfig(
+            metadata=srv.url,
+            transports=(name,),
+            transport_settings=settings,
+            slice_size=SLICE,
+            timeout=20,
+        )
     ).start()
     remote = {
         k: peer.call("alloc", kind=k, size=SPAN, seed=i)["addr"]

@@ -1,7 +1,7 @@
 """Real SGLang host pools on CPU and our backend built the way SGLang builds it.
 
 Imported by the tests after ``pytest.importorskip("sglang")``. Host pools come from
-``adapters.sglang.cpu_pool`` (SGLang's own classes over CPU tensors); the backend comes from
+``bench.sglang_pool`` (SGLang's own classes over CPU tensors); the backend comes from
 ``StorageBackendFactory.create_backend("dynamic", HiCacheStorageConfig(...), pool)``.
 """
 
@@ -14,7 +14,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-from mooncake_connectors.adapters.sglang.cpu_pool import make_cpu_host_pool
+from mooncake_connectors.bench.sglang_pool import make_cpu_host_pool
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
 LORA, ROPE = 24, 8  # MLA row = kv_lora_rank + qk_rope_head_dim

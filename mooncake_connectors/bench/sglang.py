@@ -44,7 +44,7 @@ GEOMETRIES: dict[str, tuple[str, int, int, int, int]] = {
 
 
 def _pool(geometry: str, layout: str, pages: int) -> Any:
-    from ..adapters.sglang.cpu_pool import make_cpu_host_pool
+    from .sglang_pool import make_cpu_host_pool
 
     kind, layers, heads, dim, page = GEOMETRIES[geometry]
     pool = make_cpu_host_pool(

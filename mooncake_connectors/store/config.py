@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import GIB, KIB, MIB
+from ..config import DEFAULT_TRANSPORTS, GIB, KIB, MIB
 from ..errors import ConfigError
 
 _UNITS = {"K": KIB, "M": MIB, "G": GIB, "T": 1024 * GIB}
@@ -177,7 +177,7 @@ class ServerConfig:
     ssd_size: int = 0
     bounce_size: int = 64 * MIB
     metadata: str | None = None
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     rpc_timeout: float = 5.0
     auth_token: str | None = None
 
@@ -216,7 +216,7 @@ class ClientConfig:
     global_segment_size: int = 0
     local_buffer_size: int = 64 * MIB
     metadata: str | None = None
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     timeout: float = 20.0
     rpc_timeout: float = 5.0
     replica_timeout: float = 1.0

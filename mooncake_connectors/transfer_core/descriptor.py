@@ -1,7 +1,10 @@
 """Segment descriptors: what a process publishes so peers can reach its registered memory.
 
-A descriptor already carries the fields later transports need (per-NIC RDMA keys, CUDA device and
-IPC handle), so adding those transports changes no wire format.
+The engine fills the fields every transport reads (address, length, location, access, epoch,
+endpoints); each transport adds its own through ``Transport.describe_region`` and
+``describe_segment`` (memfd, CUDA IPC handle, RDMA rkeys and GIDs), merged by
+:func:`merge_fields`. Fields a peer does not know are ignored on decode, and fields left at their
+default are not sent, so a transport adds fields without a new protocol version.
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import functools
 import os
 import socket
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import msgspec
 
-from ..errors import MetadataError
+from ..errors import MetadataError, PluginError
 from ..types import LocationKind, parse_location
 
 # Bumped on any incompatible change of descriptors or frames; peers refuse other versions.
@@ -32,6 +37,10 @@ class RegionDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     rdma_rkeys: dict[str, int] = {}
     cuda_device: int = -1
     cuda_ipc_handle: bytes = b""
+    # cuda_ipc: the handle exports the allocation that holds the region; the region starts this
+    # many bytes into it. ``cuda_ipc_kind`` says how to open the handle ("ipc" or "fabric"/"fd").
+    cuda_ipc_offset: int = 0
+    cuda_ipc_kind: str = ""
 
     @property
     def end(self) -> int:
@@ -59,12 +68,70 @@ class SegmentDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     epoch_memfd: int = -1
     epoch_memfd_inode: int = 0
     rdma_gids: dict[str, str] = {}  # NIC name -> GID, for the rdma transport
+    rdma_lids: dict[str, int] = {}  # NIC name -> LID (InfiniBand; 0 on RoCE)
 
     def find_region(self, addr: int, length: int) -> RegionDesc | None:
         for r in self.regions:
             if r.contains(addr, length):
                 return r
         return None
+
+
+# Fields the engine owns; a transport's describe_* may not set them.
+ENGINE_REGION_FIELDS = frozenset({"addr", "length", "location", "access", "cuda_device"})
+ENGINE_SEGMENT_FIELDS = frozenset(
+    {"name", "host_id", "pid", "version", "epoch", "endpoints", "regions", "auth"}
+)
+
+D = TypeVar("D", RegionDesc, SegmentDesc)
+
+
+def merge_fields(
+    desc: D,
+    contributions: Iterable[tuple[str, Mapping[str, object]]],
+    engine_fields: frozenset[str],
+) -> D:
+    """``desc`` with the fields each (transport name, fields) pair contributes.
+
+    A field the engine owns, a name the descriptor lacks, or one field set by two transports is
+    a PluginError naming both; dict fields are merged key by key (two NIC drivers may each add
+    rkeys) and only a key set twice collides. Values are type-checked by the descriptor's own
+    decoder, so a wrong type fails here, at publish, rather than on a peer.
+    """
+    merged: dict[str, object] = {}
+    owner: dict[str, str] = {}
+    known = desc.__struct_fields__
+    for transport, fields in contributions:
+        for key, value in fields.items():
+            if key in engine_fields or key not in known:
+                why = "is the engine's own" if key in engine_fields else "is not a field"
+                raise PluginError(
+                    f"transport {transport!r} describes {type(desc).__name__}.{key}, which {why}",
+                    first=transport,
+                )
+            prev = merged.get(key)
+            if prev is None:
+                merged[key], owner[key] = value, transport
+            elif isinstance(prev, dict) and isinstance(value, dict) and not prev.keys() & value:
+                merged[key] = {**prev, **value}
+                owner[key] = f"{owner[key]}+{transport}"
+            else:
+                raise PluginError(
+                    f"transports {owner[key]!r} and {transport!r} both describe "
+                    f"{type(desc).__name__}.{key}",
+                    first=owner[key],
+                    second=transport,
+                )
+    if not merged:
+        return desc
+    out = msgspec.structs.replace(desc, **merged)
+    try:
+        msgspec.msgpack.decode(_encoder.encode(out), type=type(desc))
+    except msgspec.ValidationError as exc:
+        raise PluginError(
+            f"{type(desc).__name__} fields from {sorted(set(owner.values()))}: {exc}"
+        ) from None
+    return out
 
 
 @functools.lru_cache(maxsize=256)

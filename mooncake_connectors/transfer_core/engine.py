@@ -42,7 +42,14 @@ from ..errors import (
 )
 from ..types import Access, TransferOp, TransferStatus
 from . import metrics
-from .descriptor import RegionDesc, SegmentDesc, host_id
+from .descriptor import (
+    ENGINE_REGION_FIELDS,
+    ENGINE_SEGMENT_FIELDS,
+    RegionDesc,
+    SegmentDesc,
+    host_id,
+    merge_fields,
+)
 from .health import PathHealth
 from .memory import LocalSegment, Region, SharedBuffer, buffer_region, check_mapped, mappings
 from .metadata import MetadataBackend, open_metadata, scheme_of
@@ -308,14 +315,24 @@ class TransferEngine:
         return backend
 
     def _descriptor(self) -> SegmentDesc:
-        return SegmentDesc(
+        ts = self.transports
+        regions = [
+            merge_fields(
+                r.to_desc(), [(t.name, t.describe_region(r)) for t in ts], ENGINE_REGION_FIELDS
+            )
+            for r in self.local.regions()
+        ]
+        desc = SegmentDesc(
             name=self._name,
             host_id=host_id(),
             pid=os.getpid(),
             epoch=self.local.epoch,
             endpoints=self._endpoints,
-            regions=[r.to_desc() for r in self.local.regions()],
+            regions=regions,
             auth=self.config.auth_token is not None,
+        )
+        return merge_fields(
+            desc, [(t.name, t.describe_segment()) for t in ts], ENGINE_SEGMENT_FIELDS
         )
 
     def _publish(self) -> None:

@@ -165,9 +165,6 @@ class Region:
             length=self.length,
             location=self.location,
             access=int(self.access),
-            memfd=self.memfd,
-            memfd_inode=self.memfd_inode,
-            memfd_offset=self.memfd_offset,
             cuda_device=self.cuda_device,
         )
 

@@ -15,17 +15,35 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+import msgspec
 
 from ..config import EngineConfig
-from ..errors import MooncakeConnectorsError
+from ..errors import ConfigError, MooncakeConnectorsError
 from ..plugins import TRANSPORT_GROUP, Registry
 from ..types import TransferOp
 from .descriptor import RegionDesc, SegmentDesc
 
 if TYPE_CHECKING:
-    from .memory import LocalSegment
+    from .memory import LocalSegment, Region
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class TransportSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of a transport's own settings. A transport declares a subclass as ``Settings``; the
+    values come from ``EngineConfig.transport_settings[name]`` and unknown keys are refused."""
+
+
+def load_settings(cls: type[S], name: str, config: EngineConfig) -> S:
+    """``config.transport_settings[name]`` as ``cls``; ConfigError naming the bad key."""
+    raw = config.transport_settings.get(name, {})
+    try:
+        return msgspec.convert(dict(raw), cls)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"transport_settings[{name!r}]: {exc}", transport=name) from None
 
 
 class Slice:
@@ -97,9 +115,13 @@ class Transport(abc.ABC):
     """Base class of transports. Subclasses set ``name`` and implement the abstract methods."""
 
     name: ClassVar[str]
+    # This transport's settings; subclasses with settings of their own override it.
+    Settings: ClassVar[type[TransportSettings]] = TransportSettings
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        # Checked for every transport, so a misspelt key fails at start, not on first use.
+        load_settings(self.Settings, self.name, ctx.config)
 
     @abc.abstractmethod
     def start(self) -> dict[str, str]:
@@ -108,6 +130,23 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
         """Can this transport move data to/from ``region`` of ``peer``? Must be cheap."""
+
+    def describe_segment(self) -> Mapping[str, object]:
+        """Fields this transport adds to the published SegmentDesc (e.g. RDMA GIDs).
+
+        Called on every publish, after ``start``. Keys are SegmentDesc field names other than
+        the engine's own (name, host_id, pid, version, epoch, endpoints, regions, auth); a dict
+        field may be filled by several transports as long as their keys do not collide.
+        """
+        return {}
+
+    def describe_region(self, region: Region) -> Mapping[str, object]:
+        """Fields this transport adds to ``region``'s RegionDesc (memfd, IPC handle, rkeys).
+
+        Called on every publish for every registered region; cache per region what is costly
+        to compute. Keys are RegionDesc field names other than addr, length, location, access.
+        """
+        return {}
 
     def lanes(self, peer: SegmentDesc) -> int:
         """Independent paths to ``peer`` (failover moves a slice to another lane)."""

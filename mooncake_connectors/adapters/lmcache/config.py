@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...config import KIB, MIB
+from ...config import DEFAULT_TRANSPORTS, KIB, MIB
 from ...errors import ConfigError
 from ...extra_config import Key, Kind, Schema, client_config
 from ...store.config import DEFAULT_MASTER_PORT, MAX_REPLICAS, ClientConfig, check_master_address
@@ -73,7 +73,7 @@ class PluginConfig:
 
     master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
     host: str = "127.0.0.1"
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     timeout: float = 2.0
     cooldown: float = 1.0
     workers: int = 4

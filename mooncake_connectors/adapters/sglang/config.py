@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...config import MIB
+from ...config import DEFAULT_TRANSPORTS, MIB
 from ...errors import ConfigError
 from ...extra_config import Key, Kind, Schema, client_config
 from ...store.config import MAX_REPLICAS, ClientConfig, check_master_address
@@ -95,7 +95,7 @@ class HiCacheStoreConfig:
     master: str
     host: str = "127.0.0.1"
     metadata: str | None = None
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     global_segment_size: int = 0
     local_buffer_size: int = 16 * MIB
     staging_size: int = 64 * MIB

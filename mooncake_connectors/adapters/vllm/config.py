@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ...config import EngineConfig
+from ...config import DEFAULT_TRANSPORTS, EngineConfig
 from ...errors import ConfigError
 from ...extra_config import Key, Kind, Schema, engine_config
 
@@ -66,7 +66,7 @@ class PDConfig:
     host: str = "127.0.0.1"
     side_channel_port: int = 0
     metadata: str = "p2p"
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     tcp_lanes: int = 4
     auth_token: str | None = None
     transfer_timeout: float = 20.0

@@ -3,7 +3,8 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers), and
 its registry raises on a duplicate name, so registering is guarded: a second call (the same
 process loading plugins twice) is a no-op, and a different class already holding the name is an
-error rather than a silent overwrite.
+error rather than a silent overwrite. It also registers the ``mooncake_p2p`` load format (a model
+loader that fetches the checkpoint from the P2P swarm first).
 """
 
 from __future__ import annotations
@@ -36,3 +37,6 @@ def register() -> None:
                 f"{held.__module__}.{held.__name__}"
             )
         # else: registered by an earlier call in this process
+    from .p2p_loader import register as register_p2p_loader
+
+    register_p2p_loader()

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ...config import DEFAULT_TRANSPORTS
 from ...errors import ConfigError
 from ...extra_config import Key, Kind, Schema, client_config
 from ...store.config import ClientConfig
@@ -77,7 +78,7 @@ class StoreConnectorConfig:
     master: str = "127.0.0.1:50051"
     host: str = "127.0.0.1"
     metadata: str | None = None
-    transports: tuple[str, ...] = ("shm", "tcp")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     namespace: str = "vllm"
     model_name: str | None = None
     timeout: float = 10.0

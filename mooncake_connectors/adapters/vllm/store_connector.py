@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...cpu_amx import enable_amx_tiles
 from .base_connector import DelegatingConnector
-from .cpu_amx import enable_amx_tiles
 from .stats import StorePromMetrics, StoreStats
 from .store_config import StoreConnectorConfig
 from .store_scheduler import StoreConnectorMetadata, StoreScheduler, block_keys

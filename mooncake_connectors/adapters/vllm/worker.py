@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...cpu_amx import enable_amx_tiles
 from ...pd.session import TransferSession
 from .config import PDConfig
-from .cpu_amx import enable_amx_tiles
 from .metadata import PDHandshake
 from .stats import PDStats
 

@@ -25,13 +25,17 @@ import queue
 import select
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ...errors import AccessViolation, MetadataError, TransportBroken, TransportClosed
 from ...plugins import hookimpl
 from ...types import Access, LocationKind, TransferOp
 from ..descriptor import RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
+
+if TYPE_CHECKING:
+    from ..memory import Region
 
 log = logging.getLogger(__name__)
 _READ = int(Access.READ)
@@ -121,6 +125,15 @@ class ShmTransport(Transport):
             t.start()
             self._workers.append(t)
         return {"shm": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
+
+    def describe_region(self, region: Region) -> Mapping[str, object]:
+        if region.memfd < 0:
+            return {}
+        return {
+            "memfd": region.memfd,
+            "memfd_inode": region.memfd_inode,
+            "memfd_offset": region.memfd_offset,
+        }
 
     def local_changed(self, epoch: int) -> None:
         if self._epoch_map is not None and not self._closed:

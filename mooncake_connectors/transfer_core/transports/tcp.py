@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from ...errors import (
     AuthenticationError,
+    ConfigError,
     MooncakeConnectorsError,
     ProtocolError,
     TransferTimeout,
@@ -33,7 +34,7 @@ from ...errors import (
 from ...plugins import hookimpl
 from ...types import LocationKind, TransferOp
 from ..descriptor import RegionDesc, SegmentDesc
-from ..transport import Slice, Transport, TransportContext
+from ..transport import Slice, Transport, TransportContext, TransportSettings, load_settings
 from . import wire
 from .tcp_server import TcpServer, _tune
 
@@ -361,11 +362,25 @@ def _chunks(slices: Sequence[Slice]) -> Iterator[Sequence[Slice]]:
             start = i
 
 
+class TcpSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
+    """``transport_settings["tcp"]``. lanes: connections per peer (default: the engine's
+    ``tcp_lanes``)."""
+
+    lanes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lanes is not None and not 1 <= self.lanes <= 64:
+            raise ConfigError(f"tcp lanes must be in 1..64, got {self.lanes}", transport="tcp")
+
+
 class TcpTransport(Transport):
     name = "tcp"
+    Settings = TcpSettings
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
+        self.settings = load_settings(TcpSettings, self.name, ctx.config)
+        self._lane_count = self.settings.lanes or ctx.config.tcp_lanes
         self._server: TcpServer | None = None
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._idle: dict[str, list[_Direct]] = {}
@@ -386,7 +401,7 @@ class TcpTransport(Transport):
         return "tcp" in peer.endpoints and region.kind is LocationKind.CPU
 
     def lanes(self, peer: SegmentDesc) -> int:
-        return self.ctx.config.tcp_lanes
+        return self._lane_count
 
     def submit(
         self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False

@@ -21,8 +21,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
-from ...errors import AccessViolation
+from ...errors import AccessViolation, MooncakeConnectorsError
 from ...netguard import MIN_RATE, AcceptBackoff, listener_closed
 from ...types import Access
 from ..memory import Region
@@ -46,15 +47,27 @@ def _tune(sock: socket.socket) -> None:
 
 
 class TcpServer:
-    """Accepts connections and serves READ/WRITE against the local registered regions."""
+    """Accepts connections and serves READ/WRITE against the local registered regions.
 
-    def __init__(self, ctx: TransportContext) -> None:
+    ``control`` answers OP_CONTROL messages (payload in, reply out; a MooncakeConnectorsError
+    is sent back as a protocol error); with ``data=False`` READ/WRITE are refused, for a
+    listener that carries another transport's control exchange only (on its own ``port``)."""
+
+    def __init__(
+        self,
+        ctx: TransportContext,
+        control: Callable[[bytes, str], bytes] | None = None,
+        data: bool = True,
+        port: int | None = None,
+    ) -> None:
         self.ctx = ctx
+        self.control = control
+        self.data = data
         cfg = ctx.config
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((cfg.host, cfg.port))
+        self.sock.bind((cfg.host, cfg.port if port is None else port))
         self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
         self.conns: set[socket.socket] = set()
@@ -149,7 +162,11 @@ class TcpServer:
                 if k != hsize:
                     wire.recv_until(conn, hv[k:] if k else hv, deadline)
                 magic, op, _, _, rid, addr, length = wire.REQ.unpack(hdr)
-                if magic != wire.REQ_MAGIC or op not in (wire.OP_READ, wire.OP_WRITE, wire.OP_PING):
+                ops = (wire.OP_READ, wire.OP_WRITE) if self.data else ()
+                if magic == wire.REQ_MAGIC and op == wire.OP_CONTROL and self.control is not None:
+                    self._control(conn, rid, length, who, deadline)
+                    continue
+                if magic != wire.REQ_MAGIC or op not in (*ops, wire.OP_PING):
                     _reply_error(conn, rid, wire.ST_PROTOCOL, "malformed request frame", deadline)
                     log.warning("closing %s: malformed request frame", who)
                     return
@@ -217,6 +234,23 @@ class TcpServer:
             with self.lock:
                 self.conns.discard(conn)
             conn.close()
+
+    def _control(
+        self, conn: socket.socket, rid: int, length: int, who: str, deadline: float
+    ) -> None:
+        if length > wire.MAX_CONTROL:
+            _reply_error(conn, rid, wire.ST_PROTOCOL, "control message too long", deadline)
+            raise ConnectionError(f"oversized control message ({length} bytes)")
+        msg = bytearray(length)
+        wire.recv_until(conn, memoryview(msg), deadline)
+        assert self.control is not None
+        try:
+            reply = self.control(bytes(msg), who)
+        except MooncakeConnectorsError as exc:
+            _reply_error(conn, rid, wire.ST_PROTOCOL, exc.message, deadline)
+            return
+        head = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, len(reply))
+        wire.send_until(conn, [head + reply], deadline)
 
     def close(self) -> None:
         with self.lock:

@@ -14,6 +14,8 @@ before any request is sent. HELLO keeps its version-1 layout so that peers of ei
 read each other's version and fail with a clear mismatch.
 Then pipelined requests, answered in order:
     request  <IBBHQQQ  REQ_MAGIC, op, 0, 0, request id, remote address, length [+ payload if WRITE]
+                       (OP_CONTROL: address 0, length and payload of a control message, answered
+                       with the listener's reply as payload; used by rdma's connect exchange)
     response <IBBHQQ   RESP_MAGIC, status, 0, 0, request id, length [+ payload: READ data, or an
                        utf-8 error message when status != OK]
 """
@@ -42,6 +44,8 @@ RESP_MAGIC = 0x4D435250  # "MCRP"
 OP_READ = 0
 OP_WRITE = 1
 OP_PING = 2
+OP_CONTROL = 3  # a control message (payload: msgpack) for a transport's own exchange
+MAX_CONTROL = 64 * 1024
 
 ST_OK = 0
 ST_ACCESS = 1

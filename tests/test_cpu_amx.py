@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_connectors.adapters.vllm.cpu_amx import cpu_has_amx
+from mooncake_connectors.cpu_amx import cpu_has_amx
 
 SCRIPT = """
-from mooncake_connectors.adapters.vllm.cpu_amx import amx_permitted, enable_amx_tiles
+from mooncake_connectors.cpu_amx import amx_permitted, enable_amx_tiles
 before = amx_permitted()
 print(before, enable_amx_tiles(), amx_permitted())
 """

@@ -1,4 +1,5 @@
-"""Let this process use Intel AMX tiles before vLLM's CPU attention kernel does.
+"""Let this process use Intel AMX tiles before vLLM's CPU attention kernel does (used by the
+vLLM connectors; no engine import).
 
 Linux gives a process AMX tile state only after it asks (``arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)``); an AMX instruction before that is SIGILL. vLLM's CPU build picks its AMX

@@ -1,0 +1,159 @@
+"""Memory registration: every registered region gets one MR on each NIC, made once.
+
+Host memory is registered by address. A ``cuda:N`` region gets a dma-buf MR when the CUDA
+driver exports the range as a dma-buf (``cuMemGetHandleForAddressRange``) and pyverbs has
+``DmaBufMR``; otherwise a plain MR on the device address, which works where nvidia-peermem is
+loaded. Deregistration waits until no work request uses the region any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ....errors import ConfigError
+from ....types import Access, LocationKind, parse_location
+from ...memory import Region
+from .verbs import Nic
+
+# addr, length -> (dma-buf fd, offset of addr in it); raises ConfigError when unsupported.
+DmabufExport = Callable[[int, int], tuple[int, int]]
+
+
+def cuda_dmabuf(addr: int, length: int) -> tuple[int, int]:
+    """Export a device range as a dma-buf through the CUDA driver (cuda-python)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver
+        except ImportError:
+            raise ConfigError("cuda-python is not installed: no dma-buf export") from None
+    page = 1 << 16  # the driver exports whole pages: align the range out to 64 KiB
+    base = addr & ~(page - 1)
+    size = -(-(addr + length - base) // page) * page
+    kind = driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+    err, fd = driver.cuMemGetHandleForAddressRange(base, size, kind, 0)
+    if int(err) != 0:
+        raise ConfigError(f"cuMemGetHandleForAddressRange failed ({err})")
+    return int(fd), addr - base
+
+
+class LocalMr:
+    """The MRs of one local region, one per NIC, and the work requests that use them."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.mrs: dict[str, Any] = {}
+        self.cv = threading.Condition()
+        self.inflight = 0
+        self.fds: list[int] = []
+
+    def lkey(self, nic: str) -> int:
+        return int(self.mrs[nic].lkey)
+
+    def rkeys(self) -> dict[str, int]:
+        return {name: int(mr.rkey) for name, mr in self.mrs.items()}
+
+    def acquire(self, n: int) -> None:
+        with self.cv:
+            self.inflight += n
+
+    def release(self) -> None:
+        with self.cv:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.cv.notify_all()
+
+    def drain(self, deadline: float) -> bool:
+        """Wait until no work request uses the region; False if ``deadline`` came first."""
+        with self.cv:
+            while self.inflight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cv.wait(left)
+            return True
+
+
+class Registry:
+    """Local regions -> their MRs on every NIC."""
+
+    def __init__(self, nics: list[Nic], gpu_mr: str, export: DmabufExport = cuda_dmabuf) -> None:
+        self.nics = nics
+        self.gpu_mr = gpu_mr  # "auto", "dmabuf" or "peermem"
+        self.export = export
+        self.lock = threading.Lock()
+        self.by_key: dict[tuple[int, int], LocalMr] = {}
+
+    def get(self, region: Region) -> LocalMr:
+        key = (region.addr, region.length)
+        with self.lock:
+            mr = self.by_key.get(key)
+            if mr is not None:
+                return mr
+            mr = LocalMr(region)
+            try:
+                for nic in self.nics:
+                    mr.mrs[nic.name] = self._register(nic, region, mr)
+            except BaseException:
+                self._close(mr)
+                raise
+            self.by_key[key] = mr
+            return mr
+
+    def _register(self, nic: Nic, region: Region, mr: LocalMr) -> Any:
+        access = 0
+        e = nic.lib.e
+        if region.writable:
+            access |= int(e.IBV_ACCESS_LOCAL_WRITE)
+            if region.access & Access.WRITE:
+                access |= int(e.IBV_ACCESS_REMOTE_WRITE)
+        if region.access & Access.READ:
+            access |= int(e.IBV_ACCESS_REMOTE_READ)
+        kind, _ = parse_location(region.location)
+        if kind is LocationKind.CUDA and self.gpu_mr != "peermem":
+            try:
+                fd, offset = self.export(region.addr, region.length)
+            except ConfigError:
+                if self.gpu_mr == "dmabuf":
+                    raise
+            else:
+                mr.fds.append(fd)
+                try:
+                    return nic.reg_dmabuf_mr(fd, offset, region.length, region.addr, access)
+                except ConfigError:
+                    if self.gpu_mr == "dmabuf":
+                        raise
+        return nic.reg_mr(region.addr, region.length, access)
+
+    def dropped(self, live: set[tuple[int, int]]) -> list[LocalMr]:
+        """Forget regions no longer registered; the caller drains and closes them."""
+        with self.lock:
+            gone = [k for k in self.by_key if k not in live]
+            return [self.by_key.pop(k) for k in gone]
+
+    def _close(self, mr: LocalMr) -> None:
+        for name, m in list(mr.mrs.items()):
+            nic = next((n for n in self.nics if n.name == name), None)
+            if nic is not None:
+                nic.destroy(m)
+        mr.mrs.clear()
+        for fd in mr.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        mr.fds.clear()
+
+    def close(self, mr: LocalMr) -> None:
+        self._close(mr)
+
+    def close_all(self) -> None:
+        with self.lock:
+            mrs = list(self.by_key.values())
+            self.by_key.clear()
+        for mr in mrs:
+            self._close(mr)

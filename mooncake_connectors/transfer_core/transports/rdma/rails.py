@@ -1,0 +1,386 @@
+"""Rails: one RC QP per (local NIC, remote NIC) pair, the work requests posted on it, and the
+poller that turns completions into slice outcomes.
+
+A rail posts at most ``max_wr`` work requests; the rest wait in its queue. Only every
+``signal_every``-th request, and the last one posted while the queue is empty, asks for a
+completion: RC completes in order per QP, so a completion vouches for every request posted
+before it on that QP. An error completion fails its request and breaks the rail (the QP is in
+ERR): every request behind it moves to another rail, and the rail cools down.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ....errors import (
+    AccessViolation,
+    MooncakeConnectorsError,
+    TransferTimeout,
+    TransportBroken,
+)
+from ....types import TransferOp
+from ...transport import Slice
+from .verbs import Completion, Nic, QpAddr
+
+if TYPE_CHECKING:
+    from .mrs import LocalMr
+
+log = logging.getLogger(__name__)
+_ids = itertools.count(1)
+IDLE, CONNECTING, READY = 0, 1, 2
+
+
+class Work:
+    """One attempt of one engine slice: done when all its work requests are."""
+
+    __slots__ = ("done", "left", "lock", "peer", "preferred", "slice")
+
+    def __init__(self, s: Slice, n: int, preferred: frozenset[str], peer: Any) -> None:
+        self.slice = s
+        self.peer = peer  # the transport's view of the peer (its rails)
+        self.left = n
+        self.done = False
+        self.lock = threading.Lock()
+        self.preferred = preferred  # local NICs nearest the local memory
+
+    def finish_one(self, err: MooncakeConnectorsError | None) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.left -= 1
+            if err is None and self.left:
+                return
+            self.done = True
+        self.slice.complete(err)
+
+
+class WR:
+    """One RDMA READ or WRITE of at most the rdma slice size."""
+
+    __slots__ = ("laddr", "length", "mr", "posted_at", "raddr", "rkeys", "tried", "work", "wr_id")
+
+    def __init__(
+        self, work: Work, laddr: int, raddr: int, length: int, mr: LocalMr, rkeys: dict[str, int]
+    ) -> None:
+        self.work = work
+        self.laddr = laddr
+        self.raddr = raddr
+        self.length = length
+        self.mr = mr
+        self.rkeys = rkeys
+        self.tried: set[int] = set()  # ids of the rails this request was posted on
+        self.wr_id = 0
+        self.posted_at = 0.0
+
+    def end(self, err: MooncakeConnectorsError | None) -> None:
+        self.mr.release()
+        self.work.finish_one(err)
+
+
+class NicState:
+    """A local NIC, its poller thread and the rails that use it."""
+
+    def __init__(self, nic: Nic, stop: threading.Event) -> None:
+        self.nic = nic
+        self.stop = stop
+        self.rails: dict[int, Rail] = {}  # qp number -> rail
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.dead: MooncakeConnectorsError | None = None
+        self.thread = threading.Thread(
+            target=self._poll_loop, name=f"mc-rdma-poll-{nic.name}", daemon=True
+        )
+
+    def busy(self) -> bool:
+        return any(r.outstanding for r in list(self.rails.values()))
+
+    def poll_once(self) -> bool:
+        """Poll the CQ once and hand completions to their rails; True if there were any.
+        The poller thread calls this, and so does a caller that waits for its slices anyway."""
+        if self.dead is not None:
+            return False
+        try:
+            comps = self.nic.poll(64)
+        except TransportBroken as exc:
+            self.vanished(exc)
+            return False
+        by_qp: dict[int, list[Completion]] = {}
+        for c in comps:
+            by_qp.setdefault(c.qp_num, []).append(c)
+        for qpn, cs in by_qp.items():
+            rail = self.rails.get(qpn)
+            if rail is not None:  # else: flushes of a QP we already took down
+                rail.completed(cs)
+        return bool(comps)
+
+    def _poll_loop(self) -> None:
+        idle = 0
+        checked = time.monotonic()
+        while not self.stop.is_set() and self.dead is None:
+            if not self.busy():
+                self.wake.wait(0.2)
+                self.wake.clear()
+                continue
+            if self.poll_once():
+                idle = 0
+            else:
+                idle += 1
+                # Spin briefly (a completion is often microseconds away), then back off.
+                time.sleep(0 if idle < 8 else 0.0001)
+            now = time.monotonic()
+            if now - checked > 0.05:
+                checked = now
+                for rail in list(self.rails.values()):
+                    rail.check_timeout(now)
+
+    def vanished(self, exc: MooncakeConnectorsError) -> None:
+        """The device is gone: every rail on it breaks and never comes back."""
+        self.dead = exc
+        log.warning("rdma NIC %s failed: %s", self.nic.name, exc)
+        for rail in list(self.rails.values()):
+            rail.broke(TransportBroken(f"NIC {self.nic.name} failed: {exc.message}"), cool=True)
+
+
+class Rail:
+    """A (local NIC, remote NIC) pair to one peer, with its QP (made on first use)."""
+
+    def __init__(
+        self,
+        owner: RailOwner,
+        peer: str,
+        nic: NicState,
+        remote_nic: str,
+        initial_bw: float,
+    ) -> None:
+        self.owner = owner
+        self.peer = peer
+        self.nic = nic
+        self.remote_nic = remote_nic
+        self.id = next(_ids)
+        self.key = (peer, f"rdma {nic.nic.name}>{remote_nic}", 0)
+        self.path = f"rdma {nic.nic.name}>{peer}/{remote_nic}"
+        self.lock = threading.Lock()
+        self.state = IDLE
+        self.qp: Any = None
+        self.qpn = -1
+        self.outstanding: collections.deque[WR] = collections.deque()
+        self.queue: collections.deque[WR] = collections.deque()
+        self.queued_bytes = 0  # posted or waiting
+        self.bw = initial_bw  # bytes/s, measured
+        self.measured = False
+        self.busy_since = 0.0
+        self.posts = 0
+        self.carried = 0  # requests completed on this rail (for tests and stats)
+        self.closed = False
+        self.gen = 0  # bumped when the rail breaks: a connect begun before it is stale
+
+    # -- scheduling -------------------------------------------------------------------------
+    def predicted(self, length: int) -> float:
+        """Seconds until ``length`` more bytes would be through, at the measured rate."""
+        return (self.queued_bytes + length) / self.bw
+
+    def enqueue(self, wrs: list[WR]) -> None:
+        with self.lock:
+            for wr in wrs:
+                wr.tried.add(self.id)
+                self.queue.append(wr)
+                self.queued_bytes += wr.length
+            if self.state == READY:
+                failed = self._pump()
+            elif self.state == IDLE:
+                self.state = CONNECTING
+                threading.Thread(target=self._connect, name="mc-rdma-connect", daemon=True).start()
+                return
+            else:
+                return
+        if failed is not None:
+            self.broke(failed, cool=True)
+
+    def _pump(self) -> MooncakeConnectorsError | None:
+        # caller holds self.lock
+        o = self.owner
+        nic = self.nic.nic
+        posted = False
+        while self.queue and len(self.outstanding) < o.max_wr:
+            wr = self.queue.popleft()
+            self.posts += 1
+            signaled = self.posts % o.signal_every == 0 or not self.queue
+            wr.wr_id = next(_ids)
+            wr.posted_at = time.monotonic()
+            if not self.outstanding:
+                self.busy_since = wr.posted_at
+            self.outstanding.append(wr)
+            try:
+                nic.post(
+                    self.qp,
+                    wr.wr_id,
+                    wr.work.slice.op is TransferOp.WRITE,
+                    wr.laddr,
+                    wr.length,
+                    wr.mr.lkey(nic.name),
+                    wr.raddr,
+                    wr.rkeys[self.remote_nic],
+                    signaled,
+                )
+            except MooncakeConnectorsError as exc:
+                return exc
+            posted = True
+        if posted:
+            self.nic.wake.set()
+        return None
+
+    # -- connection -------------------------------------------------------------------------
+    def _connect(self) -> None:
+        nic = self.nic.nic
+        gen = self.gen
+        qp: Any = None
+        try:
+            qp = nic.create_qp(self.owner.max_wr)
+            psn = int.from_bytes(os.urandom(3), "little")
+            theirs = self.owner.exchange(self, QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid))
+            nic.connect(qp, theirs, psn)
+        except MooncakeConnectorsError as exc:
+            if qp is not None:
+                nic.destroy(qp)
+            log.info("rdma rail %s cannot connect: %s", self.path, exc)
+            if gen == self.gen:
+                self.broke(exc, cool=True)
+            return
+        with self.lock:
+            if self.closed or gen != self.gen:
+                nic.destroy(qp)
+                return
+            self.qp, self.qpn, self.state = qp, int(qp.qp_num), READY
+            self.nic.rails[self.qpn] = self
+            failed = self._pump()
+        if failed is not None:
+            self.broke(failed, cool=True)
+
+    # -- completions ------------------------------------------------------------------------
+    def completed(self, comps: list[Completion]) -> None:
+        ok: list[WR] = []
+        bad: WR | None = None
+        status = 0
+        now = time.monotonic()
+        with self.lock:
+            for c in comps:
+                if bad is not None:
+                    break
+                if not self.outstanding or c.wr_id < self.outstanding[0].wr_id:
+                    continue  # already vouched for by a later completion another thread took
+                while self.outstanding:
+                    wr = self.outstanding.popleft()
+                    self.queued_bytes -= wr.length
+                    if wr.wr_id != c.wr_id:
+                        ok.append(wr)
+                        continue
+                    if c.ok:
+                        ok.append(wr)
+                    else:
+                        bad, status = wr, c.status
+                    break
+            moved = sum(w.length for w in ok)
+            if moved and now > self.busy_since:
+                # One sample per batch of completions: bytes over the time the rail was busy.
+                sample = moved / (now - self.busy_since)
+                # The first measurement replaces the guess the rail started with.
+                self.bw = sample if not self.measured else 0.7 * self.bw + 0.3 * sample
+                self.measured = True
+                self.busy_since = now
+            self.carried += len(ok)
+            failed = self._pump() if bad is None and self.state == READY else None
+        for wr in ok:
+            wr.end(None)
+        if ok:
+            self.owner.rail_ok(self)
+        if failed is not None:
+            self.broke(failed, cool=True)
+        if bad is None:
+            return
+        if status in self.nic.nic.verbs.ACCESS_ERRORS:
+            # The peer's NIC refused the rkey or the bounds: final for this request. The QP is
+            # in ERR, so the rail reconnects, but it is not at fault and does not cool down.
+            bad.end(
+                AccessViolation(
+                    f"the peer's NIC refused access (completion status {status})",
+                    peer=self.peer,
+                    path=self.path,
+                )
+            )
+            self.broke(TransportBroken("QP left in ERR by an access error"), cool=False)
+            return
+        err = TransportBroken(f"completion status {status}", peer=self.peer, path=self.path)
+        self.broke(err, cool=True, first=bad)
+
+    def check_timeout(self, now: float) -> None:
+        with self.lock:
+            late = bool(self.outstanding) and now - self.outstanding[0].posted_at > (
+                self.owner.rail_timeout
+            )
+        if late:
+            self.broke(
+                TransportBroken(
+                    f"no completion within {self.owner.rail_timeout}s",
+                    peer=self.peer,
+                    path=self.path,
+                ),
+                cool=True,
+            )
+
+    # -- failure ----------------------------------------------------------------------------
+    def broke(self, err: MooncakeConnectorsError, *, cool: bool, first: WR | None = None) -> None:
+        """Take the QP down (ERR, so no late bytes land), and move every request it held."""
+        with self.lock:
+            qp, self.qp = self.qp, None
+            self.gen += 1
+            self.nic.rails.pop(self.qpn, None)
+            self.qpn = -1
+            self.state = IDLE
+            orphans = ([first] if first is not None else []) + list(self.outstanding)
+            orphans += list(self.queue)
+            self.outstanding.clear()
+            self.queue.clear()
+            self.queued_bytes = 0
+        if qp is not None:
+            self.nic.nic.to_error(qp)
+            self.nic.nic.destroy(qp)
+        if cool:
+            self.owner.rail_failed(self, err)
+        for wr in orphans:
+            self.owner.reroute(wr, err)
+
+    def close(self, err: MooncakeConnectorsError) -> None:
+        with self.lock:
+            self.closed = True
+        self.broke(err, cool=False)
+
+
+class RailOwner:
+    """What a rail needs from the transport (kept small so rails are testable alone)."""
+
+    max_wr: int
+    signal_every: int
+    rail_timeout: float
+    exchange: Callable[[Rail, QpAddr], QpAddr]
+
+    def rail_ok(self, rail: Rail) -> None:
+        raise NotImplementedError
+
+    def rail_failed(self, rail: Rail, err: MooncakeConnectorsError) -> None:
+        raise NotImplementedError
+
+    def reroute(self, wr: WR, err: MooncakeConnectorsError) -> None:
+        raise NotImplementedError
+
+
+def too_late(wr: WR) -> TransferTimeout | None:
+    if time.monotonic() >= wr.work.slice.deadline:
+        return TransferTimeout("the request's deadline passed on rdma", peer=None)
+    return None

@@ -1,0 +1,406 @@
+"""The ``rdma`` transport: one-sided RDMA READ/WRITE over RC queue pairs, sprayed over rails.
+
+A slice from the engine is cut into work requests of ``slice_size`` bytes (64 KiB by default,
+Mooncake's). Each goes to the rail that would finish it first, counting what the rail already
+holds at its measured rate (TENT-style scoring), among the rails whose local NIC is nearest the
+local memory (topology.py) and which are not cooling down. A rail that fails (error completion,
+QP in ERR, no completion within ``rail_timeout``, NIC gone) cools down with the engine's
+decaying backoff and its requests move to other rails; when none is left the slice fails with
+TransportBroken and the engine moves it to the next transport (tcp) within its deadline. A
+refused rkey or bounds is AccessViolation, never retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from ....config import EngineConfig
+from ....errors import (
+    AccessViolation,
+    ConfigError,
+    MooncakeConnectorsError,
+    ProtocolError,
+    TransportBroken,
+    TransportClosed,
+)
+from ....types import LocationKind
+from ...descriptor import RegionDesc, SegmentDesc
+from ...health import PathHealth
+from ...memory import Region
+from ...transport import Slice, Transport, TransportContext, TransportSettings, load_settings
+from ..tcp_server import TcpServer
+from . import control
+from .mrs import Registry
+from .rails import WR, NicState, Rail, RailOwner, Work, too_late
+from .topology import Topology
+from .verbs import Nic, QpAddr, Verbs
+
+log = logging.getLogger(__name__)
+_MAX_PASSIVE = 4096  # QPs peers may have us make; a flood of connects cannot exhaust the NIC
+
+
+class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
+    """``transport_settings["rdma"]``.
+
+    verbs: the module with pyverbs' objects ("pyverbs"; tests name a fake). nics: devices to use
+    (empty: all). port, gid_index: the port and GID table entry of each NIC. slice_size: bytes
+    per work request. max_wr: work requests in flight per QP. signal_every: ask for a completion
+    every N requests. rail_timeout: seconds a rail may owe a completion before it is failed.
+    min_memlock: the locked-memory limit (bytes) below which start fails. gpu_mr: "auto"
+    (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read.
+    """
+
+    verbs: str = "pyverbs"
+    nics: tuple[str, ...] = ()
+    port: int = 1
+    gid_index: int = 0
+    slice_size: int = 64 * 1024
+    max_wr: int = 128
+    signal_every: int = 16
+    rail_timeout: float = 2.0
+    min_memlock: int = 64 * 1024 * 1024
+    gpu_mr: str = "auto"
+    sysfs: str = "/sys"
+
+    def __post_init__(self) -> None:
+        checks = (
+            (4096 <= self.slice_size <= 1 << 30, "slice_size must be in 4 KiB..1 GiB"),
+            (1 <= self.max_wr <= 16384, "max_wr must be in 1..16384"),
+            (1 <= self.signal_every <= self.max_wr, "signal_every must be in 1..max_wr"),
+            (self.rail_timeout > 0, "rail_timeout must be > 0"),
+            (self.gpu_mr in ("auto", "dmabuf", "peermem"), "gpu_mr: auto, dmabuf or peermem"),
+        )
+        for ok, why in checks:
+            if not ok:
+                raise ConfigError(f"rdma {why}", transport="rdma")
+
+
+class _Peer:
+    def __init__(self, desc: SegmentDesc, rails: list[Rail]) -> None:
+        self.incarnation = _incarnation(desc)
+        self.desc = desc
+        self.rails = rails
+
+
+def _incarnation(d: SegmentDesc) -> tuple[object, ...]:
+    return (d.host_id, d.pid, d.endpoints.get("rdma"), tuple(sorted(d.rdma_gids.items())))
+
+
+class RdmaTransport(Transport, RailOwner):
+    name = "rdma"
+    Settings = RdmaSettings
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        cfg: EngineConfig = ctx.config
+        self.settings = st = load_settings(RdmaSettings, self.name, cfg)
+        self.max_wr, self.signal_every, self.rail_timeout = (
+            st.max_wr,
+            st.signal_every,
+            st.rail_timeout,
+        )
+        self.health = PathHealth(cfg.backoff_initial, cfg.backoff_max)
+        self.verbs: Verbs | None = None
+        self.nics: dict[str, NicState] = {}
+        self.registry: Registry | None = None
+        self.topology = Topology()
+        self._peers: dict[str, _Peer] = {}
+        self._passive: dict[tuple[str, str, str], tuple[Nic, object]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server: TcpServer | None = None
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> dict[str, str]:
+        st = self.settings
+        verbs = self.verbs = Verbs(st.verbs)
+        names = verbs.devices()
+        if st.nics:
+            unknown = sorted(set(st.nics) - set(names))
+            if unknown:
+                raise ConfigError(f"rdma nics {unknown} not found; this host has {names}")
+            names = list(st.nics)
+        verbs.check_memlock(st.min_memlock)
+        opened: list[Nic] = []
+        errors: list[str] = []
+        for name in names:
+            try:
+                opened.append(verbs.open(name, st.port, st.gid_index))
+            except ConfigError as exc:
+                errors.append(exc.message)
+        if not opened:
+            raise ConfigError("no usable RDMA device: " + "; ".join(errors))
+        for msg in errors:
+            log.warning("rdma: skipping a device: %s", msg)
+        for nic in opened:
+            state = NicState(nic, self._stop)
+            self.nics[nic.name] = state
+            state.thread.start()
+        self.registry = Registry(opened, st.gpu_mr)
+        self.topology = Topology.read(st.sysfs)
+        self._server = TcpServer(self.ctx, control=self._on_connect, data=False, port=0)
+        host = self.ctx.config.host
+        host = f"[{host}]" if ":" in host else host
+        return {"rdma": f"{host}:{self._server.port}"}
+
+    def describe_segment(self) -> Mapping[str, object]:
+        live = [s.nic for s in self.nics.values() if s.dead is None]
+        return {
+            "rdma_gids": {n.name: n.gid for n in live},
+            "rdma_lids": {n.name: n.lid for n in live},
+        }
+
+    def describe_region(self, region: Region) -> Mapping[str, object]:
+        if self.registry is None:
+            return {}
+        kind = region.to_desc().kind
+        if kind not in (LocationKind.CPU, LocationKind.CUDA):
+            return {}
+        return {"rdma_rkeys": self.registry.get(region).rkeys()}
+
+    def local_changed(self, epoch: int) -> None:
+        """Deregister the MRs of regions that were unregistered, once nothing uses them."""
+        if self.registry is None:
+            return
+        live = {(r.addr, r.length) for r in self.ctx.local.regions()}
+        for mr in self.registry.dropped(live):
+            # Work requests finish or are failed by the engine at their deadline (which takes
+            # their QP down); this waits for that, not longer.
+            if not mr.drain(time.monotonic() + self.ctx.config.timeout + 1.0):
+                log.warning("rdma: deregistering a region still in use; taking its rails down")
+                for p in list(self._peers.values()):
+                    for r in p.rails:
+                        r.broke(TransportBroken("region deregistered while in use"), cool=False)
+            self.registry.close(mr)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            passive = list(self._passive.values())
+            self._passive.clear()
+        self._stop.set()
+        if self._server is not None:
+            self._server.close()
+        err = TransportClosed("rdma transport closed")
+        for p in peers:
+            for r in p.rails:
+                r.close(err)
+        for nic, qp in passive:
+            nic.destroy(qp)
+        for state in self.nics.values():
+            state.wake.set()
+            state.thread.join(1.0)
+        if self.registry is not None:
+            self.registry.close_all()
+        for state in self.nics.values():
+            state.nic.close()
+
+    # -- routing ----------------------------------------------------------------------------
+    def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
+        if "rdma" not in peer.endpoints or not self.nics:
+            return False
+        return any(n in peer.rdma_gids for n in region.rdma_rkeys)
+
+    def _peer(self, desc: SegmentDesc) -> _Peer:
+        p = self._peers.get(desc.name)
+        if p is not None and p.incarnation == _incarnation(desc):
+            return p
+        with self._lock:
+            if self._closed:
+                raise TransportClosed("rdma transport closed", peer=desc.name)
+            p = self._peers.get(desc.name)
+            if p is not None and p.incarnation == _incarnation(desc):
+                return p
+            old = p
+            bw = 12.5e9  # a 100 Gbps guess until the first completions are measured
+            rails = [
+                Rail(self, desc.name, state, remote, bw)
+                for state in self.nics.values()
+                for remote in sorted(desc.rdma_gids)
+            ]
+            p = self._peers[desc.name] = _Peer(desc, rails)
+        if old is not None:  # the peer restarted: its QPs are gone
+            for r in old.rails:
+                r.close(TransportBroken("peer restarted", peer=desc.name))
+        return p
+
+    def _pick(
+        self, wr: WR, rails: list[Rail], now: float, extra: dict[int, int] | None = None
+    ) -> Rail | None:
+        ok = [
+            r
+            for r in rails
+            if r.remote_nic in wr.rkeys
+            and r.id not in wr.tried
+            and r.nic.dead is None
+            and self.health.usable(r.key, now)
+        ]
+        near = [r for r in ok if r.nic.nic.name in wr.work.preferred]
+        pool = near or ok
+        if not pool:
+            return None
+        if extra is None:
+            return min(pool, key=lambda r: r.predicted(wr.length))
+        # requests of this submission not yet enqueued count as load too
+        return min(pool, key=lambda r: r.predicted(wr.length + extra.get(r.id, 0)))
+
+    def submit(
+        self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
+    ) -> None:
+        try:
+            p = self._peer(peer)
+        except MooncakeConnectorsError as exc:
+            for s in slices:
+                s.complete(exc)
+            return
+        size = self.settings.slice_size
+        now = time.monotonic()
+        by_rail: dict[int, tuple[Rail, list[WR]]] = {}
+        extra: dict[int, int] = {}
+        works: list[Work] = []
+        for s in slices:
+            s.path = "rdma"
+            try:
+                wrs = self._cut(s, size, p)
+            except MooncakeConnectorsError as exc:
+                s.complete(exc)
+                continue
+            if wrs:
+                works.append(wrs[0].work)
+            for wr in wrs:
+                rail = self._pick(wr, p.rails, now, extra)
+                if rail is None:
+                    wr.end(TransportBroken("no usable rdma rail", peer=peer.name, path="rdma"))
+                    continue
+                by_rail.setdefault(rail.id, (rail, []))[1].append(wr)
+                extra[rail.id] = extra.get(rail.id, 0) + wr.length
+        for rail, wrs in by_rail.values():
+            rail.enqueue(wrs)
+        if inline_ok and by_rail:
+            self._wait_inline(works, [r for r, _ in by_rail.values()])
+
+    def _wait_inline(self, works: list[Work], rails: list[Rail]) -> None:
+        """The caller waits anyway: poll its NICs from its thread (no hand-off to the poller
+        and back), until its slices are done or their deadline passes. The engine does not
+        watch such slices, so at the deadline their rails are taken down here: no late bytes."""
+        deadline = min(w.slice.deadline for w in works)
+        nics = {r.nic for r in rails}
+        spins = 0
+        while time.monotonic() < deadline and not self._closed:
+            if all(w.done for w in works):
+                return
+            if any([state.poll_once() for state in nics]):
+                spins = 0
+                continue
+            spins += 1
+            time.sleep(0 if spins < 64 else 0.0002)
+        if not all(w.done for w in works):
+            for r in {r.id: r for w in works for r in w.peer.rails}.values():
+                if any(wr.work in works for wr in [*r.outstanding, *r.queue]):
+                    r.broke(TransportBroken("deadline passed", path=r.path), cool=False)
+
+    def _cut(self, s: Slice, size: int, peer: _Peer) -> list[WR]:
+        region, name = s.region, peer.desc.name
+        if region is None or not region.contains(s.remote_addr, s.length):
+            raise AccessViolation("remote range outside the peer's region", peer=name, path="rdma")
+        local = self.ctx.local.find(s.local_addr, s.length)
+        if local is None or self.registry is None:
+            raise AccessViolation("local range is not registered", peer=name, path="rdma")
+        mr = self.registry.get(local)
+        near = frozenset(self.topology.preferred(local.location, list(self.nics)))
+        work = Work(s, -(-s.length // size), near, peer)
+        rkeys = region.rdma_rkeys
+        wrs = [
+            WR(work, s.local_addr + o, s.remote_addr + o, min(size, s.length - o), mr, rkeys)
+            for o in range(0, s.length, size)
+        ]
+        mr.acquire(len(wrs))
+        return wrs
+
+    # -- RailOwner --------------------------------------------------------------------------
+    def exchange(self, rail: Rail, ours: QpAddr) -> QpAddr:
+        p = self._peers.get(rail.peer)
+        if p is None:
+            raise TransportBroken("peer forgotten", peer=rail.peer)
+        nic = rail.nic.nic
+        req = control.ConnectRequest(
+            self.ctx.segment_name(), nic.name, rail.remote_nic, ours.qpn, ours.psn, nic.gid, nic.lid
+        )
+        deadline = time.monotonic() + self.ctx.config.connect_timeout
+        return control.exchange(self.ctx, rail.peer, p.desc.endpoints["rdma"], req, deadline)
+
+    def rail_ok(self, rail: Rail) -> None:
+        self.health.succeeded(rail.key)
+
+    def rail_failed(self, rail: Rail, err: MooncakeConnectorsError) -> None:
+        if self.health.usable(rail.key):  # one failure breaks many requests: count it once
+            delay = self.health.failed(rail.key)
+            log.info("rdma rail %s cools down %.2fs: %s", rail.path, delay, err)
+
+    def reroute(self, wr: WR, err: MooncakeConnectorsError) -> None:
+        if self._closed:
+            wr.end(TransportClosed("rdma transport closed", peer=None))
+            return
+        late = too_late(wr)
+        if late is not None or wr.work.done:
+            wr.end(late or err)
+            return
+        peer: _Peer = wr.work.peer
+        rail = self._pick(wr, peer.rails, time.monotonic())
+        if rail is None:
+            wr.end(TransportBroken(f"every rdma rail failed; last error: {err}", path="rdma"))
+            return
+        rail.enqueue([wr])
+
+    def abort(self, peer_name: str, lane: int) -> None:
+        p = self._peers.get(peer_name)
+        for r in p.rails if p is not None else []:
+            r.broke(TransportBroken("aborted after a missed deadline", peer=peer_name), cool=False)
+
+    def rail_stats(self, peer_name: str) -> dict[str, dict[str, float]]:
+        """Per rail to ``peer_name`` ("LOCAL>REMOTE"): requests carried, measured bytes/s,
+        and whether it is cooling down."""
+        p = self._peers.get(peer_name)
+        now = time.monotonic()
+        return {
+            f"{r.nic.nic.name}>{r.remote_nic}": {
+                "carried": float(r.carried),
+                "bw": r.bw,
+                "cooling": float(not self.health.usable(r.key, now)),
+            }
+            for r in (p.rails if p is not None else [])
+        }
+
+    # -- target side of the connect exchange ------------------------------------------------
+    def _on_connect(self, payload: bytes, who: str) -> bytes:
+        req = control.decode_request(payload)
+        state = self.nics.get(req.peer_nic)
+        if state is None or state.dead is not None:
+            raise ProtocolError(f"no usable RDMA device {req.peer_nic!r} here")
+        nic = state.nic
+        qp = nic.create_qp(self.max_wr)
+        psn = int.from_bytes(os.urandom(3), "little")
+        try:
+            nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid), psn)
+        except MooncakeConnectorsError:
+            nic.destroy(qp)
+            raise
+        key = (req.segment, req.nic, req.peer_nic)
+        with self._lock:
+            old = self._passive.pop(key, None)
+            if self._closed or len(self._passive) >= _MAX_PASSIVE:
+                nic.destroy(qp)
+                raise ProtocolError("too many rdma connections")
+            self._passive[key] = (nic, qp)
+        if old is not None:
+            old[0].destroy(old[1])
+        return control.encode_reply(QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid))

@@ -1,0 +1,332 @@
+"""The seam: every call into pyverbs goes through this module, and nothing else imports it.
+
+``Verbs(module)`` loads the verbs objects from ``pyverbs`` (Debian's python3-pyverbs, part of
+rdma-core) or, for tests, from a module with the same names (a flat namespace: ``Context``,
+``PD``, ``MR``, ``DmaBufMR``, ``CQ``, ``QP``, ``QPCap``, ``QPInitAttr``, ``QPAttr``, ``AHAttr``,
+``GlobalRoute``, ``GID``, ``SendWR``, ``SGE``, ``get_device_list``, ``PyverbsError``,
+``PyverbsRDMAError`` and ``e`` holding the ``IBV_*`` constants). pyverbs is imported lazily, at
+start, so the package imports where rdma-core is absent.
+
+Failures at start (no pyverbs, no device, a port not ACTIVE, ``ulimit -l`` too low) are a
+ConfigError that says how to fix them; failures on the data path are TransportBroken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib
+import resource
+import threading
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from ....errors import ConfigError, TransportBroken
+
+_NAMES = (
+    "Context",
+    "PD",
+    "MR",
+    "DmaBufMR",
+    "CQ",
+    "QP",
+    "QPCap",
+    "QPInitAttr",
+    "QPAttr",
+    "AHAttr",
+    "GlobalRoute",
+    "GID",
+    "SendWR",
+    "SGE",
+    "get_device_list",
+    "PyverbsError",
+    "PyverbsRDMAError",
+)
+_PYVERBS_FIX = (
+    "install rdma-core's Python bindings (Debian/Ubuntu: apt-get install python3-pyverbs) and "
+    "run a Python of the same version that can import them (a venv made with "
+    "--system-site-packages, or /usr/lib/python3/dist-packages on PYTHONPATH)"
+)
+MEMLOCK_FIX = (
+    "raise the locked-memory limit: `ulimit -l unlimited` in the shell, "
+    "LimitMEMLOCK=infinity for a systemd unit, `--ulimit memlock=-1` for docker"
+)
+PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
+_CAP_IPC_LOCK = 14
+
+
+def has_ipc_lock() -> bool:
+    """Does this process hold CAP_IPC_LOCK (which lifts RLIMIT_MEMLOCK for pinned memory)?"""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _load_pyverbs() -> types.SimpleNamespace:
+    try:
+        from pyverbs import addr, cq, device, enums, mr, pd, pyverbs_error, qp, wr
+    except ImportError as exc:
+        raise ConfigError(f"the rdma transport needs pyverbs ({exc}): {_PYVERBS_FIX}") from None
+    ns = types.SimpleNamespace(
+        Context=device.Context,
+        get_device_list=device.get_device_list,
+        PD=pd.PD,
+        MR=mr.MR,
+        DmaBufMR=getattr(mr, "DmaBufMR", None),
+        CQ=cq.CQ,
+        QP=qp.QP,
+        QPCap=qp.QPCap,
+        QPInitAttr=qp.QPInitAttr,
+        QPAttr=qp.QPAttr,
+        AHAttr=addr.AHAttr,
+        GlobalRoute=addr.GlobalRoute,
+        GID=addr.GID,
+        SendWR=wr.SendWR,
+        SGE=wr.SGE,
+        PyverbsError=pyverbs_error.PyverbsError,
+        PyverbsRDMAError=pyverbs_error.PyverbsRDMAError,
+        e=enums,
+    )
+    return ns
+
+
+def load(module: str) -> types.SimpleNamespace:
+    """The verbs namespace from ``module`` ("pyverbs", or a module with the same names)."""
+    if module == "pyverbs":
+        return _load_pyverbs()
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"rdma verbs module {module!r} does not import: {exc}") from None
+    missing = [n for n in (*_NAMES, "e") if not hasattr(mod, n)]
+    if missing:
+        raise ConfigError(f"rdma verbs module {module!r} lacks {missing}")
+    return types.SimpleNamespace(**{n: getattr(mod, n) for n in (*_NAMES, "e")})
+
+
+@dataclass(frozen=True)
+class QpAddr:
+    """What a peer needs to connect an RC QP to ours (sent in the connect exchange)."""
+
+    qpn: int
+    psn: int
+    gid: str
+    lid: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    wr_id: int
+    ok: bool
+    status: int
+    qp_num: int
+
+
+class Verbs:
+    """The verbs objects of one module, and the errors they raise."""
+
+    def __init__(self, module: str = "pyverbs") -> None:
+        self.lib = load(module)
+        e = self.lib.e
+        self.WC_SUCCESS = int(e.IBV_WC_SUCCESS)
+        # Completion statuses that are final for the request (access rights or bounds):
+        # retrying the same address elsewhere cannot help.
+        self.ACCESS_ERRORS = frozenset(
+            int(getattr(e, n))
+            for n in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_LOC_PROT_ERR", "IBV_WC_REM_INV_REQ_ERR")
+        )
+        self.REMOTE_ACCESS = int(
+            e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+        )
+        self.READ_ONLY_ACCESS = int(e.IBV_ACCESS_REMOTE_READ)
+
+    def devices(self) -> list[str]:
+        """Names of the RDMA devices; ConfigError with the fix when there are none."""
+        why = "the device list is empty"
+        try:
+            devs = self.lib.get_device_list()
+        except self.lib.PyverbsError as exc:  # pyverbs raises rather than return [] with none
+            devs, why = [], f"listing devices failed: {exc}"
+        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+        if not names:
+            raise ConfigError(
+                f"no RDMA device ({why}): the rdma transport needs an InfiniBand/RoCE NIC with "
+                "its kernel driver loaded (ls /sys/class/infiniband; `rdma link` lists ports); "
+                "without one, leave rdma out of `transports`"
+            )
+        return names
+
+    def open(self, name: str, port: int, gid_index: int) -> Nic:
+        return Nic(self, name, port, gid_index)
+
+    def check_memlock(self, minimum: int) -> None:
+        """ConfigError when the locked-memory limit is below ``minimum`` bytes: every MR pins
+        its pages, and a low limit makes registration fail later, region by region."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if has_ipc_lock():
+            return  # the kernel does not count pinned pages against the limit then
+        if soft != resource.RLIM_INFINITY and soft < minimum:
+            raise ConfigError(
+                f"locked-memory limit (ulimit -l) is {soft // 1024} KiB, below the "
+                f"{minimum // 1024} KiB the rdma transport needs: {MEMLOCK_FIX}"
+            )
+
+
+class Nic:
+    """One opened device: context, PD, one CQ, and the QPs made on it."""
+
+    def __init__(self, verbs: Verbs, name: str, port: int, gid_index: int) -> None:
+        lib = verbs.lib
+        self.verbs = verbs
+        self.lib = lib
+        self.name = name
+        self.port = port
+        self.gid_index = gid_index
+        self.lock = threading.Lock()  # post_send and poll are not safe to call concurrently
+        try:
+            self.ctx = lib.Context(name=name)
+            attr = self.ctx.query_port(port)
+            if int(attr.state) != PORT_ACTIVE:
+                self.ctx.close()
+                raise ConfigError(
+                    f"RDMA device {name} port {port} is not ACTIVE (state {int(attr.state)}): "
+                    "check the link (`rdma link`, `ibstat`), the cable and the subnet manager, "
+                    "or list only healthy NICs in transport_settings['rdma']['nics']",
+                    nic=name,
+                )
+            self.lid = int(attr.lid)
+            self.mtu = int(attr.active_mtu)
+            self.gid = str(self.ctx.query_gid(port, gid_index))
+            self.pd = lib.PD(self.ctx)
+            self.cq = lib.CQ(self.ctx, 4096)
+        except lib.PyverbsError as exc:
+            raise ConfigError(f"RDMA device {name} cannot be opened: {exc}", nic=name) from None
+
+    # -- memory -----------------------------------------------------------------------------
+    def reg_mr(self, addr: int, length: int, access: int) -> Any:
+        try:
+            return self.lib.MR(self.pd, length, access, address=addr)
+        except self.lib.PyverbsError as exc:
+            raise self._reg_error(exc, addr, length) from None
+
+    def reg_dmabuf_mr(self, fd: int, offset: int, length: int, addr: int, access: int) -> Any:
+        """A dma-buf MR over device memory, addressed by peers at ``addr`` (its iova)."""
+        if self.lib.DmaBufMR is None:
+            raise ConfigError("this pyverbs has no DmaBufMR (rdma-core >= 34 has it)")
+        try:
+            return self.lib.DmaBufMR(self.pd, length, access, dmabuf=fd, offset=offset, iova=addr)
+        except TypeError:
+            raise ConfigError(
+                "this pyverbs' DmaBufMR cannot place an MR at the tensor's address (no iova "
+                "argument): load nvidia-peermem and set transport_settings['rdma']['gpu_mr'] "
+                "to 'peermem'"
+            ) from None
+        except self.lib.PyverbsError as exc:
+            raise self._reg_error(exc, addr, length) from None
+
+    def _reg_error(self, exc: Exception, addr: int, length: int) -> ConfigError:
+        code = getattr(exc, "error_code", -1)
+        hint = f": {MEMLOCK_FIX}" if code in (errno.ENOMEM, errno.EPERM) else ""
+        return ConfigError(
+            f"registering {length} bytes at {addr:#x} on {self.name} failed: {exc}{hint}",
+            nic=self.name,
+        )
+
+    # -- queue pairs ------------------------------------------------------------------------
+    def create_qp(self, max_wr: int) -> Any:
+        lib, e = self.lib, self.lib.e
+        cap = lib.QPCap(max_send_wr=max_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = lib.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
+        try:
+            return lib.QP(self.pd, init)
+        except lib.PyverbsError as exc:
+            raise TransportBroken(f"cannot create a QP on {self.name}: {exc}") from None
+
+    def connect(self, qp: Any, remote: QpAddr, psn: int) -> None:
+        """RESET -> INIT -> RTR -> RTS, aimed at ``remote``."""
+        lib, e = self.lib, self.lib.e
+        try:
+            attr = lib.QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
+            attr.port_num = self.port
+            attr.pkey_index = 0
+            attr.qp_access_flags = self.verbs.REMOTE_ACCESS
+            qp.to_init(attr)
+            attr = lib.QPAttr(qp_state=e.IBV_QPS_RTR, cur_qp_state=e.IBV_QPS_INIT)
+            attr.path_mtu = self.mtu
+            attr.dest_qp_num = remote.qpn
+            attr.rq_psn = remote.psn
+            attr.max_dest_rd_atomic = 16
+            attr.min_rnr_timer = 12
+            gr = lib.GlobalRoute(dgid=lib.GID(remote.gid), sgid_index=self.gid_index)
+            attr.ah_attr = lib.AHAttr(dlid=remote.lid, is_global=1, port_num=self.port, gr=gr)
+            qp.to_rtr(attr)
+            attr = lib.QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RTR)
+            attr.sq_psn = psn
+            attr.timeout = 14
+            attr.retry_cnt = 7
+            attr.rnr_retry = 7
+            attr.max_rd_atomic = 16
+            qp.to_rts(attr)
+        except lib.PyverbsError as exc:
+            raise TransportBroken(f"cannot connect a QP on {self.name}: {exc}") from None
+
+    def to_error(self, qp: Any) -> None:
+        """Move ``qp`` to ERR: the NIC stops moving its bytes and flushes what is queued."""
+        lib, e = self.lib, self.lib.e
+        # A vanished device refuses, and nothing moves on it any more anyway.
+        with contextlib.suppress(lib.PyverbsError):
+            qp.modify(lib.QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
+
+    def destroy(self, obj: Any) -> None:
+        with contextlib.suppress(self.lib.PyverbsError):
+            obj.close()
+
+    # -- data path --------------------------------------------------------------------------
+    def post(
+        self,
+        qp: Any,
+        wr_id: int,
+        write: bool,
+        laddr: int,
+        length: int,
+        lkey: int,
+        raddr: int,
+        rkey: int,
+        signaled: bool,
+    ) -> None:
+        lib, e = self.lib, self.lib.e
+        sge = lib.SGE(laddr, length, lkey)
+        wr = lib.SendWR(
+            wr_id=wr_id,
+            opcode=e.IBV_WR_RDMA_WRITE if write else e.IBV_WR_RDMA_READ,
+            num_sge=1,
+            sg=[sge],
+            send_flags=e.IBV_SEND_SIGNALED if signaled else 0,
+        )
+        wr.set_wr_rdma(rkey, raddr)
+        try:
+            with self.lock:
+                qp.post_send(wr)
+        except lib.PyverbsError as exc:
+            raise TransportBroken(f"post_send on {self.name} failed: {exc}") from None
+
+    def poll(self, n: int) -> list[Completion]:
+        ok = self.verbs.WC_SUCCESS
+        try:
+            with self.lock:
+                _, wcs = self.cq.poll(n)
+        except self.lib.PyverbsError as exc:
+            raise TransportBroken(f"polling the CQ of {self.name} failed: {exc}") from None
+        return [
+            Completion(int(w.wr_id), int(w.status) == ok, int(w.status), int(w.qp_num)) for w in wcs
+        ]
+
+    def close(self) -> None:
+        for obj in (self.cq, self.pd, self.ctx):
+            self.destroy(obj)
