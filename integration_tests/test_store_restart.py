@@ -4,8 +4,12 @@ acknowledged put is lost (the holdings deltas reach the servers before the put's
 
 from __future__ import annotations
 
-from helpers import pattern
+from pathlib import Path
+
+from helpers import pattern, wait_until
 from store_cluster import FAST, client, start_master, start_server, wait_servers
+
+KiB = 1024
 
 
 def test_master_killed_right_after_an_ack_loses_no_acknowledged_put() -> None:
@@ -30,4 +34,44 @@ def test_master_killed_right_after_an_ack_loses_no_acknowledged_put() -> None:
     finally:
         for s in servers:
             s.close()
+        m.close()
+
+
+def test_server_restarted_on_its_ssd_dir_reindexes_and_rereports(tmp_path: Path) -> None:
+    """Objects spilled to SSD survive a SIGKILLed server restarted on the same --ssd-dir: its
+    files are re-indexed (a file whose CRC no longer matches is dropped, never served) and
+    re-reported; what lived only in its memory is gone, as DRAM is."""
+    m, addr = start_master(*FAST)
+    ssd = tmp_path / "ssd"
+    args = ["--ssd-dir", str(ssd), "--ssd-size", "8M"]
+    s = start_server(addr, "2M", *args)
+    try:
+        with client(addr, timeout=20) as c:
+            wait_servers(c, 1)
+            vals = {f"d{i}": pattern(i, 256 * KiB).tobytes() for i in range(24)}
+            for k, v in vals.items():  # 6 MiB into 2 MiB of memory: most of it spills
+                c.put(k, v)
+            wait_until(lambda: c.stats()["spilling"] == 0, 20, "spills to finish")
+            described = sorted(ssd.glob("*.part"))
+            assert len(described) >= 10
+            s.kill()
+            damaged = described[0].with_suffix(".obj")
+            raw = bytearray(damaged.read_bytes())
+            raw[-1] ^= 0xFF  # one flipped byte: the CRC check must refuse this file
+            damaged.write_bytes(bytes(raw))
+            s = start_server(addr, "2M", *args)
+            wait_until(lambda: len(list(ssd.glob("*.part"))) == len(described) - 1, 20, "reindex")
+            got: dict[str, bytes | None] = {}
+
+            def readable() -> bool:
+                got.update(zip(vals, c.get_batch(list(vals)), strict=True))
+                return sum(v is not None for v in got.values()) >= len(described) - 1
+
+            wait_until(readable, 20, "the re-reported objects to be readable")
+            assert all(got[k] == v for k, v in vals.items() if got[k] is not None)
+            assert c.stats()["ssd_used_bytes"] <= 8 << 20
+            c.put("after", b"ok")
+            assert c.get("after") == b"ok"
+    finally:
+        s.close()
         m.close()
