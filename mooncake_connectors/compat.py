@@ -23,7 +23,7 @@ from .config import DEFAULT_TRANSPORTS, EngineConfig
 from .errors import MooncakeConnectorsError
 from .transfer_core.engine import TransferEngine as _Engine
 from .transfer_core.engine import TransferRequest
-from .transfer_core.memory import SharedBuffer, view
+from .transfer_core.memory import SharedBuffer
 from .types import TransferOp
 
 log = logging.getLogger(__name__)
@@ -163,13 +163,16 @@ class TransferEngine:
         return 0
 
     def read_bytes_from_buffer(self, buffer: int, length: int) -> bytes:
-        if self.engine.local.find(buffer, length) is None:
+        region = self.engine.local.find(buffer, length)
+        if region is None:
             raise MooncakeConnectorsError(f"{buffer:#x}+{length} is not registered memory")
-        return bytes(view(buffer, length))
+        return bytes(region.slice(buffer, length))  # GPU memory: AccessViolation, not a crash
 
     def write_bytes_to_buffer(self, buffer: int, src: bytes, length: int) -> int:
-        if length > len(src) or self.engine.local.find(buffer, length) is None:
-            return self._fail("write_bytes_to_buffer", ValueError("bad range or source"))
+        region = self.engine.local.find(buffer, length)
+        if length > len(src) or region is None or region.device >= 0:
+            why = "GPU memory" if region is not None and region.device >= 0 else "bad range"
+            return self._fail("write_bytes_to_buffer", ValueError(f"{why} or source"))
         ctypes.memmove(buffer, src, length)
         return 0
 

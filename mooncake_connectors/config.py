@@ -27,6 +27,17 @@ DEFAULT_BINDS = frozenset({"127.0.0.1", "::1", "localhost"})
 # The transports an engine enables when nothing says otherwise, in preference order. Every
 # config that lets the user pick transports defaults to this one tuple.
 DEFAULT_TRANSPORTS: tuple[str, ...] = ("shm", "tcp")
+# Moves GPU memory between processes of one host. Connectors whose KV cache is on a GPU put it
+# first when the user kept the default transports (for_gpu); tcp stages GPU memory elsewhere.
+GPU_TRANSPORT = "cuda_ipc"
+
+
+def for_gpu(transports: tuple[str, ...]) -> tuple[str, ...]:
+    """The transports for GPU memory: the default list gains the same-host GPU transport in
+    front; a list the user chose stays as chosen."""
+    if transports == DEFAULT_TRANSPORTS:
+        return (GPU_TRANSPORT, *transports)
+    return transports
 
 
 def store_token_from_env() -> str | None:

@@ -13,6 +13,8 @@
     │   ├── TransferTimeout              the request's deadline passed
     │   ├── AccessViolation              remote address outside a registered region or rights
     │   └── NoPathAvailable              no transport can reach that peer for that memory
+    ├── GpuError                         a CUDA driver call failed (``call``, ``code``)
+    │   └── GpuUnavailable               no usable GPU here: no cuda-python, no driver, no device
     ├── LoadRefused                      a KV load not attempted (its blocks are recomputed)
     └── StoreError                       distributed store failures (see store/)
         ├── NotLeader                    the contacted master is a standby
@@ -163,6 +165,20 @@ class AccessViolation(TransferError):
 
 class NoPathAvailable(TransferError):
     """No enabled transport can move data between these two memory locations."""
+
+
+class GpuError(MooncakeConnectorsError):
+    """A CUDA driver call failed: ``call`` names it, ``code`` is the driver's CUresult."""
+
+    def __init__(self, message: str, *, call: str | None = None, code: int | None = None) -> None:
+        super().__init__(message, call=call, code=code)
+        self.call = call
+        self.code = code
+
+
+class GpuUnavailable(GpuError):
+    """This process cannot use a GPU; the message says why (no cuda-python, no driver library,
+    no device) and what would fix it."""
 
 
 class LoadRefused(MooncakeConnectorsError):

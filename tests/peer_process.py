@@ -28,11 +28,20 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
     engine: TransferEngine | None = None
     keep: dict[int, Any] = {}
+    fake: Any = None
     for line in sys.stdin:
         msg = json.loads(line)
         cmd = msg.pop("cmd")
         try:
             if cmd == "start":
+                if msg.pop("fake_cuda", False):
+                    from fake_cuda import FakeCuda, ensure_cuda_ipc_registered
+
+                    from mooncake_connectors.transfer_core import cuda_driver
+
+                    fake = FakeCuda()
+                    cuda_driver.install(fake)
+                    ensure_cuda_ipc_registered()
                 cfg = EngineConfig(
                     **{k: tuple(v) if k == "transports" else v for k, v in msg.items()}
                 )
@@ -41,7 +50,12 @@ def main() -> None:
             elif cmd == "alloc":
                 assert engine is not None
                 kind, size, seed = msg["kind"], msg["size"], msg.get("seed", 0)
-                if kind == "memfd":
+                if kind.startswith("cuda"):  # fake device memory (start with fake_cuda)
+                    addr = fake.device_alloc(size, vmm=kind == "cuda_vmm")
+                    fake.array(addr, size)[:] = pattern(seed, size)
+                    access = Access.READ if kind == "cuda_readonly" else Access.READ_WRITE
+                    engine.register_raw(addr, size, location="cuda:0", access=access)
+                elif kind == "memfd":
                     buf = engine.allocate_buffer(size)
                     buf.array[:] = pattern(seed, size)
                     addr = buf.addr
@@ -56,6 +70,8 @@ def main() -> None:
                 assert engine is not None
                 engine.unregister(msg["addr"])
                 reply = {}
+            elif cmd == "fake_calls":  # what the fake CUDA driver was asked, by call name
+                reply = {"calls": {c: fake.calls.count(c) for c in set(fake.calls)}}
             elif cmd == "digest":
                 data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
                 reply = {"sha": hashlib.sha256(data).hexdigest()}

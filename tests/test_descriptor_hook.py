@@ -76,7 +76,18 @@ class _NicClash(_Describing):
 
 class _Ipc(_Describing):
     name = "ipc_like"
-    region_fields = {"cuda_ipc_handle": lambda r: r.addr.to_bytes(8, "little")}
+    region_fields = {
+        "cuda_exports": lambda r: [
+            {
+                "kind": "ipc",
+                "handle": r.addr.to_bytes(8, "little"),
+                "alloc_size": r.length,
+                "alloc_offset": 0,
+                "region_offset": 0,
+                "length": r.length,
+            }
+        ]
+    }
 
 
 class _Greedy(_Describing):
@@ -134,7 +145,8 @@ def test_fields_of_several_transports_are_merged_and_published(
     assert desc.rdma_gids == {"mlx5_0": "fe80::1", "mlx5_1": "fe80::2"}
     (region,) = desc.regions
     assert region.rdma_rkeys == {"mlx5_0": 11, "mlx5_1": 22}
-    assert region.cuda_ipc_handle == buf.addr.to_bytes(8, "little")
+    (export,) = region.cuda_exports  # a plain dict came in, a typed CudaExport went out
+    assert export.handle == buf.addr.to_bytes(8, "little") and export.length == 4096
     assert region.memfd == -1  # shm is not enabled, so nobody published the memfd
 
 
@@ -210,3 +222,12 @@ def test_transport_settings_from_the_environment() -> None:
         engine_config_from_env({"MOONCAKE_CONNECTORS_TRANSPORT_SETTINGS": "{"})
     with pytest.raises(ConfigError, match="not valid"):
         engine_config_from_env({"MOONCAKE_CONNECTORS_TRANSPORT_SETTINGS": "[1]"})
+
+
+def test_transports_that_publish_the_same_value_agree() -> None:
+    d = RegionDesc(addr=4096, length=10)
+    memfd = {"memfd": 7, "memfd_inode": 99}
+    got = merge_fields(d, [("shm", memfd), ("cuda_ipc", dict(memfd))], ENGINE_REGION_FIELDS)
+    assert (got.memfd, got.memfd_inode) == (7, 99)
+    with pytest.raises(PluginError, match="both describe"):
+        merge_fields(d, [("shm", memfd), ("other", {"memfd": 8})], ENGINE_REGION_FIELDS)

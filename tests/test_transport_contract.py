@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_cuda import FakeCuda, ensure_cuda_ipc_registered
 from helpers import Peer, pattern
 
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import AccessViolation, SegmentNotFound
-from mooncake_connectors.transfer_core import TransferEngine, TransferRequest
+from mooncake_connectors.transfer_core import TransferEngine, TransferRequest, cuda_driver
 from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
 from mooncake_connectors.transfer_core.transport import TRANSPORTS
 from mooncake_connectors.types import TransferOp, TransferStatus
@@ -27,14 +28,27 @@ SLICE = 64 * 1024  # small slices so moderate sizes exercise slicing
 SPAN = 8 * 1024 * 1024
 # rdma runs on the test-only fake of the pyverbs objects (tests/fake_verbs.py): no RDMA device here
 SETTINGS: dict[str, dict[str, Any]] = {"rdma": {"verbs": "fake_verbs"}}
+GPU_KINDS = {"memfd": "cuda", "numpy": "cuda_vmm", "readonly": "cuda_readonly"}
+ensure_cuda_ipc_registered()
+
+
+class DeviceBuffer:
+    """SPAN bytes of (fake) GPU memory, registered as cuda:0, with an array view for checks."""
+
+    def __init__(self, fake: FakeCuda, engine: TransferEngine) -> None:
+        self.addr = fake.device_alloc(SPAN)
+        self.array: Any = fake.array(self.addr, SPAN)
+        engine.register_raw(self.addr, SPAN, location="cuda:0")
 
 
 class Link:
-    def __init__(self, engine: TransferEngine, peer: Peer, remote: dict[str, int]) -> None:
+    def __init__(
+        self, engine: TransferEngine, peer: Peer, remote: dict[str, int], local: Any
+    ) -> None:
         self.engine = engine
         self.peer = peer
         self.remote = remote  # kind -> address of a SPAN-byte peer buffer
-        self.local = engine.allocate_buffer(SPAN)
+        self.local = local
 
     def digest(self, addr: int, n: int) -> str:
         return self.peer.call("digest", addr=addr, length=n)["sha"]
@@ -44,8 +58,19 @@ class Link:
 def link(request: pytest.FixtureRequest) -> Iterator[Link]:
     name = request.param
     settings = {name: SETTINGS[name]} if name in SETTINGS else {}
+    # cuda_ipc runs on the fake driver, both here and in the peer, over GPU memory on both ends:
+    # "memfd" is then a plain device allocation (IPC handle) and "numpy" a VMM one (fd export).
+    gpu = name == "cuda_ipc"
+    kinds = GPU_KINDS if gpu else {k: k for k in GPU_KINDS}
+    fake = FakeCuda() if gpu else None
+    prev = cuda_driver.install(fake) if gpu else None
     srv = MetadataHTTPServer("127.0.0.1", 0).start()
-    peer = Peer(metadata=srv.url, transports=[name], transport_settings=settings)
+    peer = Peer(
+        metadata=srv.url,
+        transports=[name],
+        transport_settings=settings,
+        **({"fake_cuda": True} if gpu else {}),
+    )
     engine = TransferEngine(
         EngineConfig(
             metadata=srv.url,
@@ -56,14 +81,19 @@ def link(request: pytest.FixtureRequest) -> Iterator[Link]:
         )
     ).start()
     remote = {
-        k: peer.call("alloc", kind=k, size=SPAN, seed=i)["addr"]
+        k: peer.call("alloc", kind=kinds[k], size=SPAN, seed=i)["addr"]
         for i, k in enumerate(("memfd", "numpy"))
     }
-    remote["readonly"] = peer.call("alloc", kind="readonly", size=4096, seed=9)["addr"]
-    yield Link(engine, peer, remote)
+    remote["readonly"] = peer.call("alloc", kind=kinds["readonly"], size=4096, seed=9)["addr"]
+    local = DeviceBuffer(fake, engine) if fake is not None else engine.allocate_buffer(SPAN)
+    yield Link(engine, peer, remote, local)
     engine.close()
     peer.close()
     srv.stop()
+    if gpu:
+        cuda_driver.install(prev)
+        assert fake is not None
+        fake.close()
 
 
 def sha(a: Any) -> str:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import for_gpu
 from ..errors import ConfigError, LoadRefused, MooncakeConnectorsError, TransferError
 from ..transfer_core import TransferEngine
 from ..types import Access, TransferStatus
@@ -101,8 +102,12 @@ class TransferSession(LayerPush):
             self._layer_names[name] = [lay.name for lay in mine]
             layers.extend(mine)
         first = next(iter(kv_caches.values()))
-        location = f"cuda:{first.device.index or 0}" if first.device.type == "cuda" else "cpu:0"
-        engine = TransferEngine(self.config.engine_config()).start()
+        on_gpu = first.device.type == "cuda"
+        location = f"cuda:{first.device.index or 0}" if on_gpu else "cpu:0"
+        cfg = self.config.engine_config()
+        if on_gpu:  # same-host peers copy GPU to GPU; tcp stages for the rest
+            cfg = cfg.replace(transports=for_gpu(cfg.transports))
+        engine = TransferEngine(cfg).start()
         try:
             # Peers may only READ our KV cache (our own READs land in it all the same), unless
             # this instance accepts layer-wise pushes from prefill instances.

@@ -196,15 +196,19 @@ class StoreClient:
         return time.monotonic() + self.cfg.timeout
 
     # -- registration -----------------------------------------------------------------------
-    def register_buffer(self, buffer: Any, size: int | None = None) -> int:
+    def register_buffer(
+        self, buffer: Any, size: int | None = None, *, location: str | None = None
+    ) -> int:
         """Register memory for zero-copy put_from/get_into: an array/tensor/buffer, or an
-        address with ``size``. Returns the address."""
+        address with ``size``. Returns the address. GPU memory is registered the same way (a
+        CUDA tensor, or an address with ``location="cuda:N"``); puts and gets then read from
+        and land in it directly."""
         assert self.engine is not None
         if isinstance(buffer, int):
             if size is None:
                 raise ConfigError("register_buffer(address) needs a size")
-            return self.engine.register_raw(buffer, size).addr
-        return self.engine.register(buffer).addr
+            return self.engine.register_raw(buffer, size, location=location or "cpu:0").addr
+        return self.engine.register(buffer, location=location).addr
 
     def unregister_buffer(self, addr: int) -> None:
         assert self.engine is not None

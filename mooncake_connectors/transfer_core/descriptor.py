@@ -24,6 +24,24 @@ from ..types import LocationKind, parse_location
 PROTOCOL_VERSION = 1
 
 
+class CudaExport(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One piece of a GPU region, shareable with processes of the same host.
+
+    ``handle`` exports the whole allocation (``alloc_size`` bytes) that holds the piece; the
+    piece is ``length`` bytes at ``alloc_offset`` into it and ``region_offset`` into the region.
+    kind "ipc": a CUipcMemHandle; kind "fd": a VMM allocation's POSIX fd number in the owner.
+    ``device_uuid`` names the GPU across processes (ordinals differ under CUDA_VISIBLE_DEVICES).
+    """
+
+    kind: str
+    handle: bytes
+    alloc_size: int
+    alloc_offset: int
+    region_offset: int
+    length: int
+    device_uuid: str = ""
+
+
 class RegionDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     addr: int
     length: int
@@ -33,14 +51,11 @@ class RegionDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     memfd: int = -1
     memfd_inode: int = 0
     memfd_offset: int = 0
-    # RDMA: NIC name -> rkey. CUDA: device index and IPC handle bytes.
+    # RDMA: NIC name -> rkey. CUDA: the owner's device ordinal, and the region's exports
+    # (cuda_ipc), in region order, covering it end to end.
     rdma_rkeys: dict[str, int] = {}
     cuda_device: int = -1
-    cuda_ipc_handle: bytes = b""
-    # cuda_ipc: the handle exports the allocation that holds the region; the region starts this
-    # many bytes into it. ``cuda_ipc_kind`` says how to open the handle ("ipc" or "fabric"/"fd").
-    cuda_ipc_offset: int = 0
-    cuda_ipc_kind: str = ""
+    cuda_exports: list[CudaExport] = []
 
     @property
     def end(self) -> int:
@@ -112,6 +127,8 @@ def merge_fields(
             prev = merged.get(key)
             if prev is None:
                 merged[key], owner[key] = value, transport
+            elif prev == value:  # two transports that publish the same fact agree
+                owner[key] = f"{owner[key]}+{transport}"
             elif isinstance(prev, dict) and isinstance(value, dict) and not prev.keys() & value:
                 merged[key] = {**prev, **value}
                 owner[key] = f"{owner[key]}+{transport}"
@@ -126,12 +143,12 @@ def merge_fields(
         return desc
     out = msgspec.structs.replace(desc, **merged)
     try:
-        msgspec.msgpack.decode(_encoder.encode(out), type=type(desc))
-    except msgspec.ValidationError as exc:
+        # the round trip also turns plain values (a dict for a struct) into their types
+        return msgspec.msgpack.decode(_encoder.encode(out), type=type(desc))
+    except (msgspec.ValidationError, TypeError) as exc:
         raise PluginError(
             f"{type(desc).__name__} fields from {sorted(set(owner.values()))}: {exc}"
         ) from None
-    return out
 
 
 @functools.lru_cache(maxsize=256)

@@ -40,7 +40,7 @@ from ..errors import (
     TransportBroken,
     TransportClosed,
 )
-from ..types import Access, TransferOp, TransferStatus
+from ..types import Access, LocationKind, TransferOp, TransferStatus, parse_location
 from . import metrics
 from .descriptor import (
     ENGINE_REGION_FIELDS,
@@ -50,6 +50,7 @@ from .descriptor import (
     host_id,
     merge_fields,
 )
+from .gpu_memory import check_device_ranges, check_host_ranges
 from .health import PathHealth
 from .memory import LocalSegment, Region, SharedBuffer, buffer_region, check_mapped, mappings
 from .metadata import MetadataBackend, open_metadata, scheme_of
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 _ids = itertools.count(1)  # unique default names for engines without a tcp port
 _READ = int(Access.READ)
 _WRITE = int(Access.WRITE)
+_CPU = LocationKind.CPU
+_CUDA = LocationKind.CUDA
 _WATCH_PERIOD = 0.25  # seconds; deadlines are enforced within this granularity
 
 
@@ -198,7 +201,7 @@ class _PeerView:
         self.desc = desc
         self.regions = sorted(desc.regions, key=lambda r: r.addr)
         self.starts = [r.addr for r in self.regions]
-        self.routes: dict[int, list[tuple[Transport, list[int]]]] = {}
+        self.routes: dict[tuple[int, LocationKind], list[tuple[Transport, list[int]]]] = {}
 
     def find(self, addr: int, length: int) -> RegionDesc | None:
         i = bisect.bisect_right(self.starts, addr) - 1
@@ -385,7 +388,12 @@ class TransferEngine:
     ) -> Region:
         """Register a numpy array, torch tensor, SharedBuffer or buffer-protocol object."""
         try:
-            region = self.local.add(buffer_region(buffer, location=location, access=access))
+            region = buffer_region(buffer, location=location, access=access)
+            if region.device >= 0:
+                check_device_ranges([(region.addr, region.length)], region.location)
+            elif region.kind is _CPU:
+                check_host_ranges([(region.addr, region.length)], region.location)
+            region = self.local.add(region)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self._publish()
@@ -418,9 +426,14 @@ class TransferEngine:
         mapped (and writable for WRITE access): a bad address is an AccessViolation here, not a
         crash later; ``check=False`` skips that for memory the caller knows is its own."""
         out = []
-        maps = mappings() if check and location.startswith("cpu") else None
         try:
+            kind = parse_location(location)[0]
+            maps = mappings() if check and kind is _CPU else None
             spans = [(int(addr), int(length)) for addr, length in ranges]
+            if kind is _CUDA:  # always: a host pointer taken for a GPU's would crash a copy
+                check_device_ranges(spans, location)
+            elif check:
+                check_host_ranges(spans, location)
             for addr, length in spans if maps is not None else ():
                 # every range before any is registered: a refusal leaves none behind
                 if addr >= 0 and length > 0:
@@ -546,15 +559,18 @@ class TransferEngine:
                     self._on_slice,
                 )
                 s.batch, s.index, s.peer, s.region, s.transport = batch, i, peer, region, transport
-                s.local_mv = local.slice(s.local_addr, s.length)
+                if local.device < 0:  # GPU memory is never viewed as host memory
+                    s.local_mv = local.slice(s.local_addr, s.length)
+                s.local_device = local.device
                 s.lane = lanes[(lane0 + k) % len(lanes)]
                 s.tried = {(transport.name, s.lane)}
                 s.key = (peer.name, transport.name, s.lane)
                 groups.setdefault((id(transport), peer.name), (transport, peer, []))[2].append(s)
         for transport, peer, slices in groups.values():
             # A synchronous submission runs in this thread, bounded by kernel socket timeouts
-            # or a plain memcpy; only slices that may sit in a queue need the watchdog.
-            if not _inline:
+            # or a plain memcpy; only slices that may sit in a queue need the watchdog (GPU
+            # slices may: transports hand them to staging or copy streams).
+            if not _inline or slices[0].local_device >= 0 or slices[-1].local_device >= 0:
                 self._watch_slices(slices)
             transport.submit(peer, slices, inline_ok=_inline)
         return batch
@@ -613,18 +629,20 @@ class TransferEngine:
                     f"region at {region.addr:#x} does not allow {op.name}", peer=req.target
                 )
         peer = pv.desc
-        routes = pv.routes.get(region.addr)
+        lkind = _CPU if local is None else local.kind
+        route_key = (region.addr, lkind)
+        routes = pv.routes.get(route_key)
         if routes is None:
             routes = [
                 (t, list(range(t.lanes(peer))))
                 for t in self.transports
-                if t.reachable(peer, region)
+                if t.serves(lkind, region.kind) and t.reachable(peer, region)
             ]
-            pv.routes[region.addr] = routes
+            pv.routes[route_key] = routes
         if not routes:
             raise NoPathAvailable(
-                f"no enabled transport ({[t.name for t in self.transports]}) reaches "
-                f"{region.location} memory of this peer",
+                f"no enabled transport ({[t.name for t in self.transports]}) moves "
+                f"{lkind.value} memory here to {region.location} memory of this peer",
                 peer=req.target,
             )
         if not self.health.any_failing():
@@ -670,8 +688,9 @@ class TransferEngine:
         """Move ``s`` to another usable path, or wait for one to cool down, within its deadline."""
         now = time.monotonic()
         options: list[tuple[Transport, int]] = []
+        lkind = _CUDA if s.local_device >= 0 else _CPU
         for t in self.transports:
-            if t.reachable(s.peer, s.region):
+            if t.serves(lkind, s.region.kind) and t.reachable(s.peer, s.region):
                 options.extend((t, ln) for ln in range(t.lanes(s.peer)))
         fresh = [
             (t, ln)

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from ..errors import AccessViolation, ConfigError
-from ..types import Access, parse_location
+from ..types import Access, LocationKind, parse_location
 from .descriptor import RegionDesc
 
 
@@ -141,7 +141,6 @@ class Region:
     memfd: int = -1
     memfd_inode: int = 0
     memfd_offset: int = 0
-    cuda_device: int = -1
     writable: bool = True  # may local READs land here (False for bytes and read-only arrays)
     # Keeps the Python object that owns the memory alive while registered; not compared.
     owner: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -151,8 +150,21 @@ class Region:
         return self.addr + self.length
 
     @functools.cached_property
+    def kind(self) -> LocationKind:
+        return parse_location(self.location)[0]
+
+    @functools.cached_property
+    def device(self) -> int:
+        """The CUDA ordinal of a GPU region; -1 for host memory."""
+        kind, rest = parse_location(self.location)
+        return int(rest) if kind is LocationKind.CUDA else -1
+
+    @functools.cached_property
     def mv(self) -> memoryview:
-        """A byte view of the whole region; slicing it is far cheaper than building views."""
+        """A byte view of the whole region; slicing it is far cheaper than building views.
+        Host memory only: reading a GPU address as host memory would crash the process."""
+        if self.device >= 0:
+            raise AccessViolation(f"{self.addr:#x} is GPU memory ({self.location}), not host")
         return view(self.addr, self.length)
 
     def slice(self, addr: int, length: int) -> memoryview:
@@ -165,7 +177,7 @@ class Region:
             length=self.length,
             location=self.location,
             access=int(self.access),
-            cuda_device=self.cuda_device,
+            cuda_device=self.device,
         )
 
 
@@ -194,13 +206,14 @@ def buffer_region(
         if not buffer.is_contiguous():
             raise ConfigError("only contiguous tensors can be registered")
         dev = buffer.device
-        loc = location or (f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu:0")
+        actual = f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu:0"
+        if location is not None and parse_location(location)[0] is not parse_location(actual)[0]:
+            raise ConfigError(f"a tensor on {dev} cannot be registered as {location!r} memory")
         return Region(
             int(buffer.data_ptr()),
             int(buffer.numel() * buffer.element_size()),
-            loc,
+            location or actual,
             Access.READ_WRITE if access is None else access,
-            cuda_device=(dev.index or 0) if dev.type == "cuda" else -1,
             owner=buffer,
         )
     import numpy as np

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 import msgspec
 
 from ..config import EngineConfig
-from ..errors import ConfigError, MooncakeConnectorsError
+from ..errors import AccessViolation, ConfigError, MooncakeConnectorsError
 from ..plugins import TRANSPORT_GROUP, Registry
-from ..types import TransferOp
+from ..types import LocationKind, TransferOp
 from .descriptor import RegionDesc, SegmentDesc
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class Slice:
         "lane",
         "length",
         "local_addr",
+        "local_device",
         "local_mv",
         "op",
         "path",
@@ -76,6 +77,7 @@ class Slice:
         self.op = op
         self.local_addr = local_addr
         self.local_mv: memoryview | None = None  # view of the local bytes, set by the engine
+        self.local_device = -1  # CUDA ordinal when the local memory is a GPU's, else -1
         self.remote_addr = remote_addr
         self.region: RegionDesc | None = None  # the peer's region the engine resolved
         self.length = length
@@ -87,8 +89,15 @@ class Slice:
         self._done = False
 
     def local_view(self) -> memoryview:
-        """The local bytes of this slice (checked against the local registration already)."""
+        """The local bytes of this slice (checked against the local registration already).
+
+        Host memory only: a GPU address read as host memory would crash the process."""
         if self.local_mv is None:
+            if self.local_device >= 0:
+                raise AccessViolation(
+                    f"{self.local_addr:#x} is GPU memory; this transport moves host memory only",
+                    path=self.path or None,
+                )
             from .memory import view
 
             self.local_mv = view(self.local_addr, self.length)
@@ -130,6 +139,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
         """Can this transport move data to/from ``region`` of ``peer``? Must be cheap."""
+
+    def serves(self, local: LocationKind, remote: LocationKind) -> bool:
+        """Can this transport move bytes between local memory of kind ``local`` and remote
+        memory of kind ``remote``? Host memory on both ends unless a transport says more."""
+        return local is LocationKind.CPU and remote is LocationKind.CPU
 
     def describe_segment(self) -> Mapping[str, object]:
         """Fields this transport adds to the published SegmentDesc (e.g. RDMA GIDs).

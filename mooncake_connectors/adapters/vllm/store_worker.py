@@ -2,7 +2,10 @@
 
 vLLM's KV cache tensors are registered with this worker's store client, so loads read straight
 into vLLM's blocks (``batch_get_into``) and saves write straight from them (``batch_put_from``):
-no staging copy on either side. One object per block per layer (:mod:`.store_keys`).
+no staging copy on either side, whether the KV cache is in host or GPU memory (GPU blocks move
+over cuda_ipc on one host, and through pinned staging buffers over tcp). One object per block
+per layer (:mod:`.store_keys`); where a layer keeps K and V apart (vLLM's GPU backends), V is a
+second object, ``{layer}/v``.
 
 Saves, and loads with ``load_async``, run on one thread of their own (loads first), so the model
 runner does not wait for them; without ``load_async`` a load runs inside ``start_load_kv`` of the
@@ -16,6 +19,7 @@ and counted; the request is released either way.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...config import for_gpu
 from ...errors import ConfigError, MooncakeConnectorsError, ObjectExists
 from ...pd.layout import layer_layouts, register_spans
 from ...pd.messages import LayerLayout
@@ -62,6 +67,7 @@ class StoreWorker:
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
         self.layers: list[LayerLayout] = []
+        self.key_names = list(layer_names)  # one per entry of self.layers
         self.store: GuardedStore | None = None
         self.stats = StoreStats()
         self._lock = threading.Lock()
@@ -87,24 +93,28 @@ class StoreWorker:
             )
         by_name = {}
         for name, tensor in kv_caches.items():
-            lays = layer_layouts(name, tensor, self.num_blocks, self.num_kv_heads)
-            if len(lays) != 1:
-                raise ConfigError(
-                    f"KV cache of layer {name} (shape {tuple(tensor.shape)}) keeps K and V "
-                    "apart; the store connector needs one contiguous range per block and layer "
-                    "(vLLM's CPU layout)"
-                )
-            by_name[name] = lays[0]
-        self.layers = [by_name[n] for n in self.layer_names]
+            # One range per block (vLLM's CPU layout, FlashInfer), or K and V apart (vLLM's
+            # GPU backends): then V is an object of its own, "{layer}/v", beside K's "{layer}".
+            by_name[name] = layer_layouts(name, tensor, self.num_blocks, self.num_kv_heads)
+        self.layers = [lay for n in self.layer_names for lay in by_name[n]]
+        self.key_names = [
+            n if i == 0 else f"{n}/v" for n in self.layer_names for i in range(len(by_name[n]))
+        ]
         self.keys = self.keys.for_rank(tp_rank)
         spans = register_spans(self.layers)
+        first = next(iter(kv_caches.values()))
+        on_gpu = first.device.type == "cuda"
+        location = f"cuda:{first.device.index or 0}" if on_gpu else "cpu:0"
 
         def on_connect(client: StoreClient) -> None:
             for addr, size in spans:  # zero-copy: the store reads and writes vLLM's blocks
-                client.register_buffer(addr, size)
+                client.register_buffer(addr, size, location=location)
 
+        client_cfg = self.config.client_config(self.config.timeout)
+        if on_gpu:
+            client_cfg = dataclasses.replace(client_cfg, transports=for_gpu(client_cfg.transports))
         self.store = GuardedStore(
-            self.config.client_config(self.config.timeout),
+            client_cfg,
             cooldown=self.config.cooldown,
             name=f"store worker {tp_rank}",
             on_connect=on_connect,
@@ -151,7 +161,7 @@ class StoreWorker:
             job()
 
     def _plan(self, spec: BlockSpec) -> tuple[list[str], list[int], list[int]]:
-        keys = self.keys.keys(spec.hashes, self.layer_names)
+        keys = self.keys.keys(spec.hashes, self.key_names)
         addrs, sizes = [], []
         for b in spec.block_ids:
             if not 0 <= b < self.num_blocks:

@@ -96,6 +96,12 @@ class _Mapping:
         self._pin = ctypes.c_char.from_buffer(self.mm)
         self.base = ctypes.addressof(self._pin)
 
+    def close(self) -> None:
+        del self._pin
+        # A view may still be alive somewhere; then the mapping goes with its last view.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
 
 class ShmTransport(Transport):
     name = "shm"
@@ -301,9 +307,7 @@ class ShmTransport(Transport):
             maps = list(self._maps.values())
             self._maps.clear()
         for m in maps:
-            del m._pin
-            with contextlib.suppress(BufferError):
-                m.mm.close()
+            m.close()
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()

@@ -33,10 +33,13 @@ from ...errors import (
 )
 from ...plugins import hookimpl
 from ...types import LocationKind, TransferOp
+from .. import cuda_driver
 from ..descriptor import RegionDesc, SegmentDesc
 from ..transport import Slice, Transport, TransportContext, TransportSettings, load_settings
 from . import wire
+from .staging import Staging
 from .tcp_server import TcpServer, _tune
+from .tcp_staged import StagedTcp
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ _COALESCE = 64  # most requests one sendmsg carries
 _INLINE_PAYLOAD = 256 * 1024  # WRITE bytes an async submit may send from the caller's thread
 _DIRECT_CHUNK = 512  # requests sent before their answers are read, on a direct connection
 _DIRECT_POOL = 8  # idle direct connections kept per peer
+_HOST_OR_GPU = (LocationKind.CPU, LocationKind.CUDA)
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
@@ -367,10 +371,17 @@ class TcpSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     ``tcp_lanes``)."""
 
     lanes: int | None = None
+    # GPU memory crosses tcp through a pool of pinned host buffers: this many, of this size.
+    staging_chunk: int = 1 << 20
+    staging_buffers: int = 16
 
     def __post_init__(self) -> None:
         if self.lanes is not None and not 1 <= self.lanes <= 64:
             raise ConfigError(f"tcp lanes must be in 1..64, got {self.lanes}", transport="tcp")
+        if not 4096 <= self.staging_chunk <= 1 << 30:
+            raise ConfigError("tcp staging_chunk must be in 4 KiB..1 GiB", transport="tcp")
+        if not 1 <= self.staging_buffers <= 1024:
+            raise ConfigError("tcp staging_buffers must be in 1..1024", transport="tcp")
 
 
 class TcpTransport(Transport):
@@ -381,6 +392,8 @@ class TcpTransport(Transport):
         super().__init__(ctx)
         self.settings = load_settings(TcpSettings, self.name, ctx.config)
         self._lane_count = self.settings.lanes or ctx.config.tcp_lanes
+        self._staging = Staging(self.settings.staging_chunk, self.settings.staging_buffers)
+        self._staged = StagedTcp(self, self._staging, self._lane_count)
         self._server: TcpServer | None = None
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._idle: dict[str, list[_Direct]] = {}
@@ -393,12 +406,16 @@ class TcpTransport(Transport):
 
     def start(self) -> dict[str, str]:
         self._server = TcpServer(self.ctx)
+        self._server.staging = self._staging
         host = self.ctx.config.host
         host = f"[{host}]" if ":" in host else host
         return {"tcp": f"{host}:{self._server.port}"}
 
+    def serves(self, local: LocationKind, remote: LocationKind) -> bool:
+        return local in _HOST_OR_GPU and remote in _HOST_OR_GPU  # GPU ends are staged
+
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
-        return "tcp" in peer.endpoints and region.kind is LocationKind.CPU
+        return "tcp" in peer.endpoints and region.kind in _HOST_OR_GPU
 
     def lanes(self, peer: SegmentDesc) -> int:
         return self._lane_count
@@ -406,6 +423,11 @@ class TcpTransport(Transport):
     def submit(
         self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
     ) -> None:
+        if any(s.local_device >= 0 for s in slices):
+            self._staged.submit(peer, [s for s in slices if s.local_device >= 0])
+            slices = [s for s in slices if s.local_device < 0]
+            if not slices:
+                return
         addr = peer.endpoints["tcp"]
         if inline_ok and not self._closed:
             self._run_direct(peer, addr, slices)
@@ -510,6 +532,7 @@ class TcpTransport(Transport):
                 del self._lanes[(lane.peer, lane.index)]
 
     def abort(self, peer_name: str, lane: int) -> None:
+        self._staged.abort(peer_name)
         ln = self._lanes.get((peer_name, lane))
         if ln is not None:
             ln._break(
@@ -528,8 +551,11 @@ class TcpTransport(Transport):
             c.sock.close()
         for ln in lanes:
             ln.close()
+        self._staged.close()
         if self._server is not None:
             self._server.close()
+        if cuda_driver.loaded():
+            self._staging.close()
 
 
 @hookimpl

@@ -23,12 +23,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from ...errors import AccessViolation, MooncakeConnectorsError
+from ...errors import AccessViolation, GpuError, MooncakeConnectorsError, TransferTimeout
 from ...netguard import MIN_RATE, AcceptBackoff, listener_closed
 from ...types import Access
+from .. import cuda_driver
 from ..memory import Region
 from ..transport import TransportContext
-from . import wire
+from . import staging, wire  # staging: the type of the pool lent by the transport
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class TcpServer:
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.closed = False
+        self.staging: staging.Staging | None = None  # set by the transport that owns us
         threading.Thread(target=self._accept_loop, name="mc-tcp-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -205,6 +207,10 @@ class TcpServer:
                             left -= n
                     _reply_error(conn, rid, wire.ST_ACCESS, exc.message, deadline)
                     continue
+                if last.device >= 0:  # GPU memory: staged, never viewed as host memory
+                    if not self._serve_device(conn, op, rid, last.device, addr, length, deadline):
+                        return
+                    continue
                 data = last.slice(addr, length)
                 if op == wire.OP_READ:
                     head = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length)
@@ -234,6 +240,43 @@ class TcpServer:
             with self.lock:
                 self.conns.discard(conn)
             conn.close()
+            if self.staging is not None and cuda_driver.loaded():
+                with contextlib.suppress(GpuError):
+                    self.staging.release_thread()
+
+    def _serve_device(
+        self,
+        conn: socket.socket,
+        op: int,
+        rid: int,
+        device: int,
+        addr: int,
+        length: int,
+        deadline: float,
+    ) -> bool:
+        """Serve one request on GPU memory through the staging pipe, by the frame's
+        ``deadline``; False closes the connection (a failed copy leaves the stream
+        mid-payload)."""
+        if self.staging is None:
+            return False
+        try:
+            pipe = self.staging.pipe(device)
+            if op == wire.OP_READ:
+                _answer(
+                    conn, wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length), deadline
+                )
+                pipe.to_network(
+                    addr, length, lambda c: wire.send_until(conn, [c], deadline), deadline
+                )
+            else:
+                pipe.from_network(
+                    addr, length, lambda c: wire.recv_until(conn, c, deadline), deadline
+                )
+                _answer(conn, _ok(rid), deadline)
+        except (GpuError, TransferTimeout) as exc:
+            log.warning("closing a connection: staging GPU memory failed: %s", exc)
+            return False
+        return True
 
     def _control(
         self, conn: socket.socket, rid: int, length: int, who: str, deadline: float

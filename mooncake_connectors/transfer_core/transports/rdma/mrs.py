@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ....errors import ConfigError
+from ....errors import ConfigError, GpuError, GpuUnavailable
 from ....types import Access, LocationKind, parse_location
 from ...memory import Region
 from .verbs import Nic
@@ -25,22 +25,13 @@ DmabufExport = Callable[[int, int], tuple[int, int]]
 
 
 def cuda_dmabuf(addr: int, length: int) -> tuple[int, int]:
-    """Export a device range as a dma-buf through the CUDA driver (cuda-python)."""
+    """Export a device range as a dma-buf through our CUDA driver seam."""
+    from ... import cuda_driver
+
     try:
-        from cuda.bindings import driver
-    except ImportError:
-        try:
-            from cuda import cuda as driver
-        except ImportError:
-            raise ConfigError("cuda-python is not installed: no dma-buf export") from None
-    page = 1 << 16  # the driver exports whole pages: align the range out to 64 KiB
-    base = addr & ~(page - 1)
-    size = -(-(addr + length - base) // page) * page
-    kind = driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
-    err, fd = driver.cuMemGetHandleForAddressRange(base, size, kind, 0)
-    if int(err) != 0:
-        raise ConfigError(f"cuMemGetHandleForAddressRange failed ({err})")
-    return int(fd), addr - base
+        return cuda_driver.driver().dmabuf_export(addr, length)
+    except (GpuError, GpuUnavailable) as exc:
+        raise ConfigError(f"no dma-buf export for GPU memory: {exc}") from exc
 
 
 class LocalMr:

@@ -205,6 +205,11 @@ class RdmaTransport(Transport, RailOwner):
             state.nic.close()
 
     # -- routing ----------------------------------------------------------------------------
+    def serves(self, local: LocationKind, remote: LocationKind) -> bool:
+        # host and GPU memory alike: GPU regions get dma-buf or peermem MRs (mrs.py)
+        kinds = (LocationKind.CPU, LocationKind.CUDA)
+        return local in kinds and remote in kinds
+
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
         if "rdma" not in peer.endpoints or not self.nics:
             return False

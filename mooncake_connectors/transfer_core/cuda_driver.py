@@ -1,0 +1,204 @@
+"""The one seam between this package and the CUDA driver.
+
+Everything GPU-related in the engine goes through :func:`driver`, an implementation of
+:class:`CudaDriver`. The real one wraps ``cuda.bindings.driver`` (cuda-python), imported on first
+use so that a CPU-only install never loads it; tests install a fake with :func:`install`. The
+methods speak plain ints (addresses, device ordinals, stream and event ids) so that callers never
+hold a cuda-python object.
+
+Without a GPU, cuda-python still imports, but its first driver call raises
+``DynamicLibNotFoundError`` (no ``libcuda.so``) instead of returning an error code; that, a
+missing cuda-python, and ``cuInit`` failing all become one :class:`GpuUnavailable` whose message
+says why.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+import time
+from typing import Any, NamedTuple
+
+from ..errors import GpuError, GpuUnavailable
+
+IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
+
+
+class MemoryType(enum.Enum):
+    DEVICE = "device"  # cudaMalloc / VMM / IPC-opened device memory
+    HOST = "host"  # pinned host memory (cuMemHostAlloc, cuMemHostRegister)
+    UNKNOWN = "unknown"  # memory the driver does not know (pageable host memory)
+
+
+class PointerInfo(NamedTuple):
+    kind: MemoryType
+    device: int  # ordinal in this process; -1 for host memory
+    base: int  # start of the allocation (or registration) holding the pointer
+    size: int
+    legacy_ipc: bool  # exportable with cuIpcGetMemHandle (False for VMM allocations)
+
+
+class Export(NamedTuple):
+    """A shareable handle of one allocation. kind "ipc": ``handle`` is a CUipcMemHandle; kind
+    "fd": ``handle`` is the exporter's file descriptor number (little-endian), which an importer
+    duplicates through pidfd_getfd."""
+
+    kind: str
+    handle: bytes
+    base: int
+    size: int
+
+
+class CudaDriver(abc.ABC):
+    """The driver calls the engine uses. Every method raises GpuError on failure."""
+
+    @abc.abstractmethod
+    def driver_version(self) -> int:
+        """CUDA version the driver supports, as 1000*major + 10*minor."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def device_name(self, device: int) -> str: ...
+
+    @abc.abstractmethod
+    def device_uuid(self, device: int) -> str:
+        """Stable across processes, unlike ordinals (CUDA_VISIBLE_DEVICES renumbers)."""
+
+    @abc.abstractmethod
+    def supports_vmm(self, device: int) -> bool: ...
+
+    @abc.abstractmethod
+    def can_access_peer(self, device: int, peer: int) -> bool: ...
+
+    @abc.abstractmethod
+    def pointer_info(self, addr: int) -> PointerInfo: ...
+
+    @abc.abstractmethod
+    def export(self, addr: int) -> Export:
+        """A handle of the allocation holding ``addr``, for another process of this host."""
+
+    @abc.abstractmethod
+    def open_export(self, export: Export, owner_pid: int, device: int) -> int:
+        """Map a peer's export into this process on ``device``; returns the local base."""
+
+    @abc.abstractmethod
+    def close_export(self, export: Export, local_base: int) -> None: ...
+
+    def dmabuf_export(self, addr: int, length: int) -> tuple[int, int]:
+        """A dma-buf fd covering ``[addr, addr + length)`` and ``addr``'s offset in it (for
+        RDMA registration of GPU memory); GpuError where the driver cannot export one."""
+        raise GpuError("this CUDA driver exports no dma-buf", call="cuMemGetHandleForAddressRange")
+
+    @abc.abstractmethod
+    def host_register(self, addr: int, length: int) -> None:
+        """Pin pageable host memory so copies to and from it run asynchronously."""
+
+    @abc.abstractmethod
+    def host_unregister(self, addr: int) -> None: ...
+
+    @abc.abstractmethod
+    def host_alloc(self, length: int) -> int:
+        """Pinned host memory (staging buffers)."""
+
+    @abc.abstractmethod
+    def host_free(self, addr: int) -> None: ...
+
+    @abc.abstractmethod
+    def stream_create(self, device: int) -> int: ...
+
+    @abc.abstractmethod
+    def stream_destroy(self, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def memcpy_async(self, dst: int, src: int, length: int, stream: int) -> None:
+        """Queue a copy on ``stream``; copies on one stream run in order."""
+
+    @abc.abstractmethod
+    def event_create(self, device: int) -> int: ...
+
+    @abc.abstractmethod
+    def event_record(self, event: int, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def event_done(self, event: int) -> bool:
+        """Has everything queued before the event's last record finished?"""
+
+    @abc.abstractmethod
+    def event_destroy(self, event: int) -> None: ...
+
+
+def wait_event(drv: CudaDriver, event: int, deadline: float) -> bool:
+    """Wait for ``event`` until ``deadline`` (monotonic); False when it passed first.
+
+    cuEventSynchronize has no timeout, so this polls, sleeping a little longer each time: a copy
+    that finishes in microseconds costs one query, a long one a few hundred."""
+    pause = 20e-6
+    while not drv.event_done(event):
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, 2e-3)
+    return True
+
+
+_lock = threading.Lock()
+_active: CudaDriver | None = None
+_failure: GpuUnavailable | None = None
+
+
+def driver() -> CudaDriver:
+    """The driver in use; loads cuda-python on first call. GpuUnavailable if none is usable."""
+    global _active, _failure
+    d = _active
+    if d is not None:
+        return d
+    with _lock:
+        if _active is None:
+            if _failure is not None:
+                raise _failure
+            try:
+                from ._cuda_bindings import BindingsDriver
+
+                _active = BindingsDriver()
+            except GpuUnavailable as exc:
+                _failure = exc  # the answer does not change within a process
+                raise
+        return _active
+
+
+def unavailable_reason() -> str | None:
+    """Why this process cannot use a GPU, or None when it can."""
+    try:
+        driver()
+    except GpuUnavailable as exc:
+        return exc.message
+    return None
+
+
+def loaded() -> bool:
+    """Has a driver been loaded (or installed) in this process? Never loads one."""
+    return _active is not None
+
+
+def install(impl: CudaDriver | None) -> CudaDriver | None:
+    """Use ``impl`` from now on (None: load the real driver again on next use); returns the
+    previous one. This is the test seam: a fake driver goes in here and nowhere else."""
+    global _active, _failure
+    with _lock:
+        prev, _active, _failure = _active, impl, None
+        return prev
+
+
+def check(call: str, result: Any) -> Any:
+    """Unpack a cuda.bindings ``(err, value...)`` tuple, raising GpuError on a failed call."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    code = int(err)
+    if code != 0:
+        raise GpuError(f"{call} failed: {getattr(err, 'name', code)}", call=call, code=code)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)

@@ -1,0 +1,235 @@
+"""``mooncake-connectors doctor``: what this host can use for transfers, and why not.
+
+Each check returns findings; a finding is one line: its area, a verdict (ok, warn, fail, info),
+what was found and, unless it is ok, the fix. Nothing here changes the host, and every probe is
+bounded (sockets by a timeout, everything else by reading files). ``root`` lets tests point the
+sysfs/procfs reads at a prepared tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import resource
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import GpuError
+from . import cuda_driver
+from .transport import TRANSPORTS
+
+GIB = 1 << 30
+_PROBE_TIMEOUT = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    area: str
+    verdict: str  # ok | warn | fail | info
+    message: str
+    fix: str = ""
+
+    def line(self) -> str:
+        fix = f"  -> {self.fix}" if self.fix else ""
+        return f"[{self.verdict:4}] {self.area}: {self.message}{fix}"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_gpus() -> list[Finding]:
+    reason = cuda_driver.unavailable_reason()
+    if reason is not None:
+        fix = (
+            "pip install 'mooncake-connectors[cuda]'"
+            if "cuda-python" in reason
+            else "install the NVIDIA driver, or run where a GPU is visible (nvidia-smi)"
+        )
+        return [Finding("gpu", "fail", f"no usable GPU: {reason}", fix)]
+    try:
+        return _describe_gpus(cuda_driver.driver())
+    except GpuError as exc:
+        return [Finding("gpu", "fail", f"the CUDA driver failed: {exc}", "check nvidia-smi")]
+
+
+def _describe_gpus(drv: cuda_driver.CudaDriver) -> list[Finding]:
+    v = drv.driver_version()
+    n = drv.device_count()
+    bindings = _version("cuda-bindings") or _version("cuda-python") or "?"
+    out = [
+        Finding(
+            "gpu",
+            "ok" if n else "fail",
+            f"{n} GPU(s); driver supports CUDA {v // 1000}.{v % 1000 // 10}; "
+            f"cuda-bindings {bindings}",
+            "" if n else "check CUDA_VISIBLE_DEVICES",
+        )
+    ]
+    for d in range(n):
+        vmm = drv.supports_vmm(d)
+        out.append(
+            Finding(
+                "gpu",
+                "ok",
+                f"cuda:{d} {drv.device_name(d)}: CUDA IPC yes, VMM {'yes' if vmm else 'no'}"
+                + ("" if vmm else " (expandable-segment allocations cannot be shared)"),
+            )
+        )
+    if n > 1:
+        rows = []
+        for d in range(n):
+            cells = "".join(
+                "-" if p == d else ("P" if drv.can_access_peer(d, p) else ".") for p in range(n)
+            )
+            rows.append(f"{d}:{cells}")
+        full = all(drv.can_access_peer(d, p) for d in range(n) for p in range(n) if p != d)
+        out.append(
+            Finding(
+                "gpu",
+                "ok" if full else "warn",
+                f"peer access (P = direct, . = through host): {' '.join(rows)}",
+                ""
+                if full
+                else "pairs without peer access copy through host memory: slower cuda_ipc",
+            )
+        )
+    return out
+
+
+def check_rdma(root: str = "/") -> list[Finding]:
+    r = Path(root)
+    out: list[Finding] = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY and soft < 64 << 20:
+        out.append(
+            Finding(
+                "rdma",
+                "warn",
+                f"ulimit -l is {soft // 1024} KiB: RDMA cannot pin large buffers",
+                "raise the memlock limit (ulimit -l unlimited; docker --ulimit memlock=-1)",
+            )
+        )
+    if not (r / "sys/module/ib_core").exists():
+        out.append(
+            Finding(
+                "rdma",
+                "fail",
+                "no kernel RDMA (ib_core is not loaded)",
+                "load the RDMA stack (modprobe ib_core and your NIC's driver) or use tcp",
+            )
+        )
+        return out
+    ib = r / "sys/class/infiniband"
+    names = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+    if not names:
+        out.append(Finding("rdma", "fail", "no RDMA device", "attach an RDMA NIC or use tcp"))
+        return out
+    try:
+        from pyverbs.device import get_device_list  # type: ignore[import-not-found]
+
+        seen = [d.name.decode() for d in get_device_list()]
+        out.append(Finding("rdma", "ok", f"pyverbs sees {', '.join(seen) or 'nothing'}"))
+    except ImportError:
+        out.append(
+            Finding(
+                "rdma",
+                "warn",
+                f"devices {', '.join(names)} present but pyverbs is not installed",
+                "install rdma-core's Python bindings (pyverbs)",
+            )
+        )
+    peermem = (r / "sys/module/nvidia_peermem").exists()
+    out.append(
+        Finding(
+            "rdma",
+            "ok" if peermem else "info",
+            "GPUDirect RDMA: "
+            + ("nvidia_peermem loaded" if peermem else "nvidia_peermem not loaded"),
+            "" if peermem else "modprobe nvidia_peermem, or use dma-buf (kernel 5.12+)",
+        )
+    )
+    return out
+
+
+def check_shm(path: str = "/dev/shm") -> list[Finding]:
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        return [Finding("shm", "fail", f"{path}: {exc}", "mount a tmpfs on /dev/shm")]
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    small = total < GIB
+    return [
+        Finding(
+            "shm",
+            "warn" if small else "ok",
+            f"{path} {total / GIB:.1f} GiB, {free / GIB:.1f} GiB free",
+            "enlarge it (docker --shm-size=16g)" if small else "",
+        )
+    ]
+
+
+def check_numa(root: str = "/") -> list[Finding]:
+    nodes = Path(root) / "sys/devices/system/node"
+    found = sorted(nodes.glob("node[0-9]*")) if nodes.is_dir() else []
+    if not found:
+        return [Finding("numa", "info", "no NUMA information (one node assumed)")]
+    parts = []
+    for n in found:
+        try:
+            cpus = (n / "cpulist").read_text().strip()
+        except OSError:
+            cpus = "?"
+        parts.append(f"{n.name} cpus {cpus}")
+    note = "pin each engine near its GPU and NIC" if len(found) > 1 else ""
+    return [Finding("numa", "info", f"{len(found)} node(s): {'; '.join(parts)}", note)]
+
+
+def _hostport(target: str, default_port: int) -> tuple[str, int]:
+    u = urlsplit(target if "://" in target else f"tcp://{target}")
+    return u.hostname or "127.0.0.1", u.port or default_port
+
+
+def check_reachable(area: str, target: str, default_port: int) -> Finding:
+    host, port = _hostport(target.split(",")[0], default_port)
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT):
+            pass
+    except OSError as exc:
+        return Finding(
+            area, "fail", f"{host}:{port} unreachable: {exc}", "start it or fix the address"
+        )
+    return Finding(area, "ok", f"{host}:{port} accepts connections")
+
+
+def check_transports() -> list[Finding]:
+    return [Finding("transports", "info", f"installed: {', '.join(TRANSPORTS.names())}")]
+
+
+def run(
+    *, metadata: str | None = None, master: str | None = None, root: str = "/"
+) -> list[Finding]:
+    """Every check; ``metadata`` (an etcd:// or http:// URL) and ``master`` (HOST:PORT) are
+    probed only when given."""
+    findings: list[Finding] = []
+    findings += check_transports()
+    findings += check_gpus()
+    findings += check_rdma(root)
+    findings += check_shm()
+    findings += check_numa(root)
+    if metadata and "://" in metadata:
+        default = 2379 if metadata.startswith("etcd") else 80
+        findings.append(check_reachable("metadata", metadata, default))
+    if master:
+        findings.append(check_reachable("master", master, 50051))
+    return findings
+
+
+def as_json(findings: Iterable[Finding]) -> list[dict[str, str]]:
+    return [dataclasses.asdict(f) for f in findings]

@@ -1,0 +1,391 @@
+"""The ``cuda_ipc`` transport: GPU memory between processes of one host (NVLink or PCIe).
+
+Each GPU region is published with the exports of the allocations that hold it (a CUDA IPC handle,
+or a VMM allocation's fd for torch's expandable segments; see ``CudaExport``). An initiator opens
+each export once per peer and keeps it while the peer's descriptor still lists it: when the
+peer's epoch page moves, the descriptor is fetched again and exports it no longer lists are
+closed. Copies are ``cuMemcpyAsync`` on one stream per (peer, device); a batch completes on an
+event recorded after its last copy. Host memory on either end also goes through here when the
+other end is a GPU: local host regions are pinned (``cuMemHostRegister``) on first use, and a
+peer's memfd-backed host region is mapped, as ``shm`` maps it, and pinned.
+
+No driver call happens before the first GPU transfer, so an engine on a host without a GPU starts
+with this transport enabled and simply finds nothing reachable through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from ...errors import (
+    AccessViolation,
+    GpuError,
+    MetadataError,
+    MooncakeConnectorsError,
+    TransferTimeout,
+    TransportBroken,
+    TransportClosed,
+)
+from ...plugins import hookimpl
+from ...types import Access, LocationKind, TransferOp
+from .. import cuda_driver
+from ..cuda_driver import CudaDriver, MemoryType
+from ..descriptor import CudaExport, RegionDesc, SegmentDesc, host_id
+from ..transport import Slice, Transport, TransportContext
+from .cuda_peers import PeerHandles
+from .shm import _CLOSED_EPOCH, _Mapping
+
+if TYPE_CHECKING:
+    from ..memory import Region
+
+log = logging.getLogger(__name__)
+_CUDA = LocationKind.CUDA
+_CPU = LocationKind.CPU
+_ABORT_WAIT = 5.0  # seconds an aborted lane waits for copies already queued to land
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerHandles] = {}
+        self._exports: dict[tuple[int, int], list[CudaExport]] = {}  # local region -> exports
+        self._pinned: dict[int, int] = {}  # local host regions we pinned: addr -> length
+        self._uuids: dict[str, int] | None = None
+        self._denied: str | None = None
+        self._pending: queue.SimpleQueue[tuple[int, float, list[Slice]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._waiter: threading.Thread | None = None
+        self._epoch_fd = -1
+        self._epoch_map: mmap.mmap | None = None
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> dict[str, str]:
+        self._epoch_fd = os.memfd_create("mooncake-connectors-cuda-epoch", os.MFD_CLOEXEC)
+        os.ftruncate(self._epoch_fd, mmap.PAGESIZE)
+        self._epoch_map = mmap.mmap(self._epoch_fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        self.local_changed(self.ctx.local.epoch)
+        inode = os.fstat(self._epoch_fd).st_ino
+        return {"cuda_ipc": f"{os.getpid()}:{self._epoch_fd}:{inode}"}
+
+    def _drv(self) -> CudaDriver:
+        return cuda_driver.driver()
+
+    def usable(self) -> bool:
+        """Can this process use a GPU at all? Asked once; the answer is logged once."""
+        if self._denied is None:
+            reason = cuda_driver.unavailable_reason()
+            self._denied = reason or ""
+            if reason:
+                log.debug("cuda_ipc reaches nothing: %s", reason)
+        return not self._denied
+
+    # -- descriptors ------------------------------------------------------------------------
+    def describe_region(self, region: Region) -> Mapping[str, object]:
+        if region.device < 0:
+            if region.memfd < 0:
+                return {}
+            return {  # the same values shm publishes: GPUs of peers copy into these pages
+                "memfd": region.memfd,
+                "memfd_inode": region.memfd_inode,
+                "memfd_offset": region.memfd_offset,
+            }
+        key = (region.addr, region.length)
+        exports = self._exports.get(key)
+        if exports is None:
+            exports = self._export(region)
+            self._exports[key] = exports
+        return {"cuda_exports": exports}
+
+    def _export(self, region: Region) -> list[CudaExport]:
+        drv = self._drv()
+        out: list[CudaExport] = []
+        pos, end = region.addr, region.addr + region.length
+        while pos < end:
+            info = drv.pointer_info(pos)
+            ex = drv.export(pos)
+            stop = min(end, info.base + info.size)
+            out.append(
+                CudaExport(
+                    kind=ex.kind,
+                    handle=ex.handle,
+                    alloc_size=ex.size,
+                    alloc_offset=pos - ex.base,
+                    region_offset=pos - region.addr,
+                    length=stop - pos,
+                    device_uuid=drv.device_uuid(info.device),
+                )
+            )
+            pos = stop
+        return out
+
+    def local_changed(self, epoch: int) -> None:
+        if self._epoch_map is not None and not self._closed:
+            struct.pack_into("<Q", self._epoch_map, 0, epoch)
+        live = {(r.addr, r.length) for r in self.ctx.local.regions()}
+        for key in [k for k in self._exports if k not in live]:
+            del self._exports[key]
+        starts = {a for a, _ in live}
+        with self._lock:
+            gone = [a for a in self._pinned if a not in starts]
+            for a in gone:
+                del self._pinned[a]
+        for a in gone:
+            try:
+                self._drv().host_unregister(a)
+            except GpuError as exc:  # the memory may be gone already; nothing else to undo
+                log.warning("cuda_ipc: unpinning %#x failed: %s", a, exc)
+
+    # -- reachability -----------------------------------------------------------------------
+    def serves(self, local: LocationKind, remote: LocationKind) -> bool:
+        kinds = (_CPU, _CUDA)
+        return local in kinds and remote in kinds and _CUDA in (local, remote)
+
+    def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
+        if peer.host_id != host_id() or "cuda_ipc" not in peer.endpoints:
+            return False
+        ok = bool(region.cuda_exports) if region.kind is _CUDA else region.memfd >= 0
+        return ok and self.usable()
+
+    # -- data path --------------------------------------------------------------------------
+    def submit(
+        self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
+    ) -> None:
+        if self._closed:
+            for s in slices:
+                s.complete(TransportClosed("cuda_ipc transport closed", peer=peer.name))
+            return
+        path = f"cuda_ipc pid {peer.pid}"
+        for s in slices:
+            s.path = path
+        try:
+            current, state = self._current(peer)
+        except (OSError, MetadataError, GpuError) as exc:
+            err = TransportBroken(f"peer unreachable over cuda_ipc: {exc}", peer=peer.name)
+            for s in slices:
+                s.complete(err)
+            return
+        fresh = current is peer
+        queued: dict[int, list[Slice]] = {}  # stream -> slices
+        for s in slices:
+            try:
+                stream = self._copy(current, state, s, s.region if fresh else None)
+            except MooncakeConnectorsError as exc:
+                s.complete(exc)
+                continue
+            except (GpuError, OSError) as exc:
+                s.complete(TransportBroken(f"GPU copy failed: {exc}", peer=peer.name, path=path))
+                continue
+            queued.setdefault(stream, []).append(s)
+        drv = self._drv()
+        for stream, group in queued.items():
+            deadline = max(s.deadline for s in group)
+            try:
+                event = drv.event_create(state.device_of(stream))
+                drv.event_record(event, stream)
+            except GpuError as exc:
+                for s in group:
+                    s.complete(TransportBroken(f"cannot record: {exc}", peer=peer.name))
+                continue
+            if inline_ok:
+                self._finish(event, deadline, group)
+            else:
+                self._start_waiter()
+                self._pending.put((event, deadline, group))
+
+    def _finish(self, event: int, deadline: float, group: list[Slice]) -> None:
+        drv = self._drv()
+        try:
+            done = cuda_driver.wait_event(drv, event, deadline)
+        except GpuError as exc:
+            err: MooncakeConnectorsError | None = TransportBroken(f"GPU copy failed: {exc}")
+        else:
+            err = None if done else TransferTimeout("GPU copies outlasted the deadline")
+        if err is None or not isinstance(err, TransferTimeout):
+            drv.event_destroy(event)
+        for s in group:
+            s.complete(err)
+
+    def _start_waiter(self) -> None:
+        if self._waiter is None:
+            with self._lock:
+                if self._waiter is None:
+                    self._waiter = threading.Thread(
+                        target=self._wait_loop, name="mc-cuda-ipc", daemon=True
+                    )
+                    self._waiter.start()
+
+    def _wait_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            self._finish(*item)
+
+    def _current(self, peer: SegmentDesc) -> tuple[SegmentDesc, PeerHandles]:
+        """The peer's up-to-date descriptor (re-fetched when its epoch page moved) and our state
+        for it; exports the new descriptor no longer lists are closed."""
+        with self._lock:
+            state = self._peers.get(peer.name)
+            if state is None or state.pid != peer.pid:
+                if state is not None:
+                    state.release()
+                state = PeerHandles(peer.pid)
+                self._peers[peer.name] = state
+        if peer.pid == os.getpid():
+            return peer, state
+        if state.epoch_page is None:
+            pid_s, fd_s, ino_s = peer.endpoints["cuda_ipc"].split(":")
+            state.epoch_page = _Mapping(int(pid_s), int(fd_s), int(ino_s))
+        (epoch,) = struct.unpack_from("<Q", state.epoch_page.mm, 0)
+        if epoch == _CLOSED_EPOCH:
+            raise OSError("peer closed its cuda_ipc transport")
+        if epoch != peer.epoch:
+            peer = self.ctx.refresh_peer(peer.name)
+            listed = {e.handle for r in peer.regions for e in r.cuda_exports}
+            state.close_unlisted(listed)
+        return peer, state
+
+    def _copy(
+        self, peer: SegmentDesc, state: PeerHandles, s: Slice, region: RegionDesc | None
+    ) -> int:
+        write = s.op is TransferOp.WRITE
+        if region is None:
+            region = peer.find_region(s.remote_addr, s.length)
+        need = Access.WRITE if write else Access.READ
+        if region is None or not region.contains(s.remote_addr, s.length):
+            raise AccessViolation(
+                f"{s.remote_addr:#x}+{s.length} is not a registered range of the peer",
+                peer=peer.name,
+                path=s.path,
+            )
+        if not need & region.access:
+            raise AccessViolation(
+                f"region at {region.addr:#x} does not allow {'WRITE' if write else 'READ'}",
+                peer=peer.name,
+                path=s.path,
+            )
+        drv = self._drv()
+        if s.local_device < 0:
+            self._pin_local(s.local_addr, s.length)
+        pieces = self._remote_pointers(state, region, s.remote_addr, s.length)
+        device = s.local_device if s.local_device >= 0 else self._device_for(region)
+        stream = state.stream(device)
+        local = s.local_addr
+        for remote, n in pieces:
+            dst, src = (remote, local) if write else (local, remote)
+            drv.memcpy_async(dst, src, n, stream)
+            local += n
+        return stream
+
+    def _remote_pointers(
+        self, state: PeerHandles, region: RegionDesc, addr: int, length: int
+    ) -> list[tuple[int, int]]:
+        """(pointer in this process, length) pieces covering the peer's ``addr``+``length``."""
+        if state.pid == os.getpid():  # our own memory: its addresses are valid here as is
+            return [(addr, length)]
+        off = addr - region.addr
+        if region.kind is not _CUDA:
+            base = state.host_mapping(region.memfd, region.memfd_inode)
+            return [(base + region.memfd_offset + off, length)]
+        out: list[tuple[int, int]] = []
+        end = off + length
+        for e in region.cuda_exports:
+            lo, hi = max(off, e.region_offset), min(end, e.region_offset + e.length)
+            if lo >= hi:
+                continue
+            base = state.open(e, self._device_for(region, e))
+            out.append((base + e.alloc_offset + (lo - e.region_offset), hi - lo))
+        if sum(n for _, n in out) != length:
+            raise AccessViolation(f"the peer's exports do not cover {addr:#x}+{length}")
+        return out
+
+    def _device_for(self, region: RegionDesc, e: CudaExport | None = None) -> int:
+        """The local ordinal of the GPU holding ``region`` if this process sees it, else 0."""
+        if self._uuids is None:
+            drv = self._drv()
+            self._uuids = {drv.device_uuid(i): i for i in range(drv.device_count())}
+        uuid = (
+            e.device_uuid
+            if e is not None
+            else next((x.device_uuid for x in region.cuda_exports), "")
+        )
+        return self._uuids.get(uuid, 0)
+
+    def _pin_local(self, addr: int, length: int) -> None:
+        region = self.ctx.local.find(addr, length)
+        if region is None or region.addr in self._pinned:
+            return
+        drv = self._drv()
+        with self._lock:
+            if region.addr in self._pinned:
+                return
+            if drv.pointer_info(region.addr).kind is MemoryType.HOST:
+                return  # pinned by its owner already (torch pin_memory, cuMemHostAlloc)
+            drv.host_register(region.addr, region.length)
+            self._pinned[region.addr] = region.length
+
+    def abort(self, peer_name: str, lane: int) -> None:
+        # Queued copies cannot be recalled: wait (bounded) until they landed, so none lands
+        # after the caller hears of the timeout and reuses its buffer.
+        state = self._peers.get(peer_name)
+        if state is None:
+            return
+        drv = self._drv()
+        for device, stream in list(state.streams.items()):
+            try:
+                event = drv.event_create(device)
+                drv.event_record(event, stream)
+                if cuda_driver.wait_event(drv, event, time.monotonic() + _ABORT_WAIT):
+                    drv.event_destroy(event)
+            except GpuError as exc:
+                log.warning("cuda_ipc abort for %s: %s", peer_name, exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._epoch_map is not None:
+            struct.pack_into("<Q", self._epoch_map, 0, _CLOSED_EPOCH)
+        if self._waiter is not None:
+            self._pending.put(None)
+            self._waiter.join(timeout=5)
+        with self._lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+            pinned = list(self._pinned)
+            self._pinned.clear()
+        for state in peers:
+            try:
+                state.release()
+            except GpuError as exc:
+                log.warning("cuda_ipc: releasing a peer's handles failed: %s", exc)
+        if pinned and cuda_driver.loaded():
+            for addr in pinned:
+                try:
+                    self._drv().host_unregister(addr)
+                except GpuError as exc:
+                    log.warning("cuda_ipc: unpinning %#x failed: %s", addr, exc)
+        if self._epoch_map is not None:
+            self._epoch_map.close()
+            self._epoch_map = None
+        if self._epoch_fd >= 0:
+            os.close(self._epoch_fd)
+            self._epoch_fd = -1
+
+
+@hookimpl
+def mooncake_transport() -> type[Transport]:
+    return CudaIpcTransport

@@ -1,0 +1,87 @@
+"""``doctor``: one finding per line, with a fix; GPUs through the driver seam (FakeCuda)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_cuda import FakeCuda
+from typer.testing import CliRunner
+
+from mooncake_connectors.cli import app
+from mooncake_connectors.transfer_core import cuda_driver, doctor
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeCuda]:
+    f = FakeCuda(devices=3)
+    prev = cuda_driver.install(f)
+    yield f
+    cuda_driver.install(prev)
+    f.close()
+
+
+def test_gpus_versions_vmm_and_peer_matrix(fake: FakeCuda) -> None:
+    lines = [f.line() for f in doctor.check_gpus()]
+    assert lines[0].startswith("[ok  ] gpu: 3 GPU(s); driver supports CUDA 12.8")
+    assert "cuda:1 Fake GPU 1: CUDA IPC yes, VMM yes" in lines[2]
+    assert "0:-PP 1:P-P 2:PP-" in lines[-1]
+
+
+def test_no_driver_is_one_failing_line_with_its_fix() -> None:
+    prev = cuda_driver.install(None)  # the real loader: this host has no GPU driver
+    try:
+        (f,) = doctor.check_gpus()
+    finally:
+        cuda_driver.install(prev)
+    assert f.verdict == "fail" and f.message.startswith("no usable GPU")
+    assert f.fix
+
+
+def test_rdma_reasons_from_the_system_tree(tmp_path: Path) -> None:
+    findings = doctor.check_rdma(str(tmp_path))
+    assert any("no kernel RDMA" in f.message and f.fix for f in findings)
+    (tmp_path / "sys/module/ib_core").mkdir(parents=True)
+    assert any(f.message == "no RDMA device" for f in doctor.check_rdma(str(tmp_path)))
+    (tmp_path / "sys/class/infiniband/mlx5_0").mkdir(parents=True)
+    msgs = [f.message for f in doctor.check_rdma(str(tmp_path))]
+    assert any("mlx5_0" in m or "pyverbs" in m for m in msgs)
+    assert any("nvidia_peermem not loaded" in m for m in msgs)
+
+
+def test_numa_layout_and_shm(tmp_path: Path) -> None:
+    for n, cpus in (("node0", "0-3"), ("node1", "4-7")):
+        (tmp_path / "sys/devices/system/node" / n).mkdir(parents=True)
+        (tmp_path / "sys/devices/system/node" / n / "cpulist").write_text(cpus + "\n")
+    (numa,) = doctor.check_numa(str(tmp_path))
+    assert numa.message == "2 node(s): node0 cpus 0-3; node1 cpus 4-7" and numa.fix
+    (shm,) = doctor.check_shm()
+    assert "GiB" in shm.message
+
+
+def test_reachability_of_given_endpoints() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        ok = doctor.check_reachable("metadata", f"etcd://127.0.0.1:{port}", 2379)
+    assert ok.verdict == "ok"
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]  # bound, never listening: refused
+    bad = doctor.check_reachable("master", f"127.0.0.1:{dead}", 50051)
+    assert bad.verdict == "fail" and bad.fix
+
+
+def test_cli_text_and_json(fake: FakeCuda) -> None:
+    runner = CliRunner()
+    text = runner.invoke(app, ["doctor"])
+    assert text.exit_code == 0, text.output
+    assert all(line.startswith("[") for line in text.output.splitlines())
+    out = runner.invoke(app, ["doctor", "--json"])
+    assert out.exit_code == 0, out.output
+    areas = {f["area"] for f in json.loads(out.output)}
+    assert {"gpu", "rdma", "shm", "numa", "transports"} <= areas
