@@ -1161,6 +1161,26 @@ def p2p_unpublish(
     )
 
 
+@app.command()
+def soak(
+    minutes: Annotated[float, typer.Option(min=0.5, help="How long to run.")] = 30.0,
+    rate: Annotated[float, typer.Option(min=1, max=1000, help="Operations per second.")] = 40.0,
+    fault_every: Annotated[float, typer.Option(min=5, help="Seconds between faults.")] = 20.0,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and the faults.")] = 0,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Mixed store + TE workload with server kills, master restarts and link flaps on a
+    schedule (JSON report); exits 1 when an acknowledged put was lost or a read was wrong."""
+    _setup_logging(verbose)
+    from .bench.soak import run_soak
+
+    result = run_soak(minutes, rate=rate, fault_every=fault_every, seed=seed)
+    _emit(result, output)
+    if result["acknowledged_puts_lost"] or result["corrupt_reads"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     try:
         app()

@@ -97,11 +97,37 @@ class FaultLink:
             self.connections += 1
             with self._lock:
                 self._socks += [down, up]
+            pair = (down, up)
+            done = [0]
             for a, b in ((down, up), (up, down)):
                 q: collections.deque[tuple[float, bytes]] = collections.deque()
                 ready = threading.Condition()
                 threading.Thread(target=self._read, args=(a, b, q, ready), daemon=True).start()
-                threading.Thread(target=self._write, args=(a, b, q, ready), daemon=True).start()
+                threading.Thread(
+                    target=self._write_then_close, args=(a, b, q, ready, pair, done), daemon=True
+                ).start()
+
+    def _write_then_close(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        q: collections.deque[tuple[float, bytes]],
+        ready: threading.Condition,
+        pair: tuple[socket.socket, socket.socket],
+        done: list[int],
+    ) -> None:
+        try:
+            self._write(src, dst, q, ready)
+        finally:
+            with self._lock:
+                done[0] += 1
+                last = done[0] == 2
+                if last:
+                    self._socks = [s for s in self._socks if s not in pair]
+            if last:  # both directions ended: the connection is over
+                for s in pair:
+                    with contextlib.suppress(OSError):
+                        s.close()
 
     def _due(self) -> float:
         d = self.delay + (self._rng.uniform(-self.jitter, self.jitter) if self.jitter else 0.0)
