@@ -13,12 +13,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import pattern
+from helpers import EtcdServer, pattern
 from store_cluster import FAST, client, start_master, start_server, wait_servers
 
 from mooncake_connectors.bench.faultlink import FaultLink
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import MooncakeConnectorsError
+from mooncake_connectors.store.ha import LeaderResolver
 from mooncake_connectors.transfer_core import TransferEngine
 from mooncake_connectors.transfer_core.descriptor import decode_segment, encode_segment
 from mooncake_connectors.transfer_core.metadata.base import SEGMENT_PREFIX
@@ -184,3 +185,54 @@ def test_store_through_a_bad_then_cut_then_healed_link_to_the_master() -> None:
             s.close()
         link.close()
         m.close()
+
+
+@pytest.mark.etcd
+def test_ha_failover_over_a_lossy_slow_link_to_etcd(etcd: EtcdServer) -> None:
+    """Masters, servers and the client reach etcd (election, leader key, metadata) through the
+    relay, with 50 +- 20 ms delay and 5 % loss; the leader is killed mid-workload: the standby
+    takes over, every call ends right or typed within its deadline, and no acknowledged put is
+    lost."""
+    link = FaultLink(("127.0.0.1", etcd.client_port))
+    url = f"etcd://{link.address}/lf-{uuid.uuid4().hex[:8]}"
+    args = (*FAST, "--ha", url, "--ha-lease-ttl", "2.0", "--metadata", url)
+    masters = [start_master(*args)[0], start_master(*args)[0]]
+    servers = [start_server(url, "32M") for _ in range(2)]
+    try:
+        with client(url, timeout=TIMEOUT * 2) as c:
+            wait_servers(c, 2)
+            link.shape(delay=0.05, jitter=0.02, loss=0.05)
+            acked: dict[str, bytes] = {}
+            first = _leader(url)
+            assert first is not None
+            for i in range(60):
+                if i == 20:
+                    victim = next(m for m in masters if first.endswith(m.args[2]))
+                    victim.kill()
+                k, v = f"ha{i}", pattern(i, 3000 + i).tobytes()
+                t0 = time.monotonic()
+                try:
+                    c.put(k, v, replicas=2)
+                    acked[k] = v
+                except MooncakeConnectorsError:
+                    pass
+                assert time.monotonic() - t0 < 3 * TIMEOUT * 2 + MARGIN
+            assert _leader(url) not in (None, first)
+            assert len(acked) >= 30
+            link.shape()
+            wait_servers(c, 2)
+            got = c.get_batch(list(acked))
+            lost = [k for k, g in zip(acked, got, strict=True) if g != acked[k]]
+            assert not lost, f"acknowledged puts lost: {lost[:5]}"
+    finally:
+        for p in servers + masters:
+            p.close()
+        link.close()
+
+
+def _leader(url: str) -> str | None:
+    r = LeaderResolver(url, 5.0)
+    try:
+        return r.leader()
+    finally:
+        r.close()
