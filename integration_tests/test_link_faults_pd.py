@@ -116,7 +116,7 @@ def same(src: dict, dst: dict, local: list[int]) -> bool:
 
 
 def test_pd_pull_through_a_bad_then_cut_then_healed_link(pd: Any) -> None:
-    prefill, dec, src, dst, data, side = pd
+    _prefill, dec, src, dst, data, side = pd
     for link in (data, side):
         link.shape(delay=0.05, jitter=0.02, loss=0.05)
     assert load(dec, side, "d-1", list(range(0, 7)))
