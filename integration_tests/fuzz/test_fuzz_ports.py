@@ -18,7 +18,7 @@ from mooncake_connectors.bench.fuzz import RSS_BUDGET, TargetProcess, send_frame
 from mooncake_connectors.bench.fuzz_frames import PORTS, Port, TePort
 from mooncake_connectors.transfer_core.transports import wire
 
-EXAMPLES = 120  # connections per port, up to 47 frames each: a few thousand frames per port
+EXAMPLES = 90  # connections per port, up to 47 frames each: about two thousand frames per port
 PROBE_EVERY = 20
 CASES = [(kind, cls) for kind, (_, classes) in PORTS.items() for cls in classes]
 
