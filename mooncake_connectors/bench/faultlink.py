@@ -147,6 +147,8 @@ class FaultLink:
             sel.register(src, selectors.EVENT_READ)
             last = 0.0
             while not self._stop.is_set():
+                if src.fileno() < 0:  # closed under us (reset, or the other direction ended)
+                    return
                 if not sel.select(0.1):
                     continue
                 try:
@@ -154,20 +156,21 @@ class FaultLink:
                 except BlockingIOError:
                     continue
                 except OSError:
-                    data = b""
+                    return
+                if not data:
+                    return
                 due = max(self._due(), last)  # in order, as TCP delivers
                 last = due
                 with ready:
                     q.append((due, data))
                     ready.notify()
-                if not data:
-                    return
         except (OSError, ValueError):
-            with ready:
-                q.append((0.0, b""))
-                ready.notify()
+            return
         finally:
             sel.close()
+            with ready:  # the end of this direction, for its writer (and so its thread) to end
+                q.append((time.monotonic(), b""))
+                ready.notify()
 
     def _write(
         self,

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -329,10 +330,16 @@ def flatness(samples: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_soak(
     minutes: float, rate: float = 40.0, fault_every: float = 20.0, seed: int = 0
 ) -> dict[str, Any]:
     soak = Soak(minutes, rate, fault_every, seed)
+    # SIGTERM ends the run like Ctrl-C: the processes it started are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         soak.start()
         return soak.run()
