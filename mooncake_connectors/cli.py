@@ -1026,6 +1026,34 @@ def bench_sglang(
     typer.echo(text)
 
 
+@app.command()
+def fuzz(
+    frames: Annotated[int, typer.Option(min=1, help="Frames sent to each port.")] = 100_000,
+    port: Annotated[
+        list[str] | None,
+        typer.Option(help="Targets to fuzz (te, master, load, metadata, side, proxy); all."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the frame generator (a run replays).")] = 0,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Hostile frames at every listening port, each target in its own process (JSON report);
+    exits 1 when any port crashed, stopped serving, grew its memory or wrote outside a region."""
+    _setup_logging(verbose)
+    from .bench.fuzz import run_fuzz
+    from .bench.fuzz_frames import PORTS
+
+    kinds = _split_urls(port or []) or list(PORTS)
+    unknown = [k for k in kinds if k not in PORTS]
+    if unknown:
+        raise typer.BadParameter(f"unknown target(s) {unknown}; known: {list(PORTS)}")
+    with _progress("fuzz") as advance:
+        result = run_fuzz(frames, kinds, seed=seed, progress=lambda _p, n, t: advance(n, t))
+    _emit(result, output)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("p2p")
 def bench_p2p(
     ns: Annotated[str, typer.Option(help="Fetcher counts, comma-separated.")] = "2,4,8",
@@ -1300,6 +1328,26 @@ def p2p_unpublish(
         if as_json
         else f"unpublished {name} ({gone} records removed)"
     )
+
+
+@app.command()
+def soak(
+    minutes: Annotated[float, typer.Option(min=0.5, help="How long to run.")] = 30.0,
+    rate: Annotated[float, typer.Option(min=1, max=1000, help="Operations per second.")] = 40.0,
+    fault_every: Annotated[float, typer.Option(min=5, help="Seconds between faults.")] = 20.0,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and the faults.")] = 0,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Mixed store + TE workload with server kills, master restarts and link flaps on a
+    schedule (JSON report); exits 1 when an acknowledged put was lost or a read was wrong."""
+    _setup_logging(verbose)
+    from .bench.soak import run_soak
+
+    result = run_soak(minutes, rate=rate, fault_every=fault_every, seed=seed)
+    _emit(result, output)
+    if result["acknowledged_puts_lost"] or result["corrupt_reads"]:
+        raise typer.Exit(1)
 
 
 def main() -> None:

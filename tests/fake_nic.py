@@ -16,6 +16,7 @@ import socket
 import struct
 import threading
 import types
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from mooncake_connectors.transfer_core.transports.rdma.verbs import has_ipc_lock
@@ -107,6 +108,25 @@ def configure(nics: str, down: str = "") -> None:
         _devices.clear()
         os.environ["FAKE_VERBS_NICS"] = nics
         os.environ["FAKE_VERBS_DOWN"] = down
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """Run a test module with its own fabric: the FAKE_VERBS_* variables it sets (and the
+    processes it starts inherit) are put back afterwards, and its devices vanish."""
+    saved = {k: os.environ.get(k) for k in ("FAKE_VERBS_NICS", "FAKE_VERBS_DOWN")}
+    try:
+        yield
+    finally:
+        with _lock:
+            for d in _devices.values():
+                d.vanish()
+            _devices.clear()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def device(name: str) -> Device:

@@ -8,6 +8,7 @@ import ctypes
 import time
 from collections.abc import Iterator
 
+import fake_nic
 import fake_verbs
 import numpy as np
 import pytest
@@ -17,6 +18,13 @@ from mooncake_connectors.transfer_core.transports.rdma.verbs import Completion, 
 
 e = fake_verbs.e
 RW = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_fabric() -> Iterator[None]:
+    # configure() changes this process's environment, which later modules' peers inherit.
+    with fake_nic.isolated():
+        yield
 
 
 @pytest.fixture

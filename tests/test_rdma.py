@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import fake_nic
 import fake_verbs
 import msgspec
 import numpy as np
@@ -30,6 +31,13 @@ from mooncake_connectors.types import TransferOp
 FAKE = {"verbs": "fake_verbs"}
 SPAN = 4 << 20
 NICS = ("mlx5_0", "mlx5_1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_fabric() -> Iterator[None]:
+    # configure() changes this process's environment, which later modules' peers inherit.
+    with fake_nic.isolated():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,11 @@ it prefers, and GPU regions' dma-buf registration."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fake_nic
 import fake_verbs
 import numpy as np
 import pytest
@@ -33,6 +35,13 @@ DEVICES = {
     "GPU1": ("pci0000:80/0000:80:01.0/0000:81:00.0", 1, "0x10de", "0x030200"),
     "mlx5_1": ("pci0000:80/0000:80:02.0/0000:82:00.0", 1, "0x15b3", "0x020700"),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_fabric() -> Iterator[None]:
+    # configure() changes this process's environment, which later modules' peers inherit.
+    with fake_nic.isolated():
+        yield
 
 
 def build_sysfs(root: Path) -> Path:

@@ -79,10 +79,10 @@ class Master:
         self._election: Any = None
         self._http: http.server.ThreadingHTTPServer | None = None
         self._next_tick = 0.0
-        # With HA, what servers hold must be on its way to them before a put is acknowledged
-        # (a new leader rebuilds from it). A single master batches it per tick instead: a
-        # server is not woken per put, and only a master restart could miss the last tick.
-        self._sync_holdings = self.cfg.ha is not None
+        # What servers hold must be on its way to them before a put is acknowledged, with HA or
+        # without: a new leader, or a single master restarted, rebuilds only from what servers
+        # re-report, so a delta still waiting for the next tick would be an acknowledged put lost.
+        self._sync_holdings = True
         self._snapshot: dict[str, float] = {}
         self._handlers: dict[type, Callable[[Conn, Any, float], Msg | None]] = {
             Hello: self._hello,
@@ -198,7 +198,8 @@ class Master:
     def _flush(self) -> None:
         """Send servers their holdings deltas, spills and file drops (before any reply)."""
         rpc = self.rpc
-        assert rpc is not None
+        if rpc is None:  # not serving (state driven directly): kept until there is a way out
+            return
         keep = set()
         for rec in self.state.dirty:
             conn = rec.conn

@@ -64,8 +64,13 @@ def rebuild(state: MasterState, rec: Server, now: float) -> int:
             fid = p.offset
             ex = obj.extra or Extra()
             disk = ex.disk if ex.disk is not None else (NO_FILE,) * p.nst
-            if len(disk) != p.nst or disk[p.sidx][1] >= 0:
+            if len(disk) != p.nst:
                 continue
+            cid, had = disk[p.sidx]
+            if had >= 0 and (had != fid or cid == rec.client_id):
+                continue
+            if had == fid:  # file ids are unique: this is the same file, from a restarted server
+                _disown(state, cid, fid)
             ex.disk = (*disk[: p.sidx], (rec.client_id, fid), *disk[p.sidx + 1 :])
             obj.extra = ex
             need = ssd_bytes(stripe_bounds(p.size, p.nst)[p.sidx][1])
@@ -90,6 +95,14 @@ def rebuild(state: MasterState, rec: Server, now: float) -> int:
         len(state.objects),
     )
     return accepted
+
+
+def _disown(state: MasterState, client_id: str, fid: int) -> None:
+    """Forget that ``client_id`` (an earlier run of the server now reporting ``fid``) holds it."""
+    old = state.servers.get(client_id)
+    entry = old.disk.pop(fid, None) if old is not None else None
+    if old is not None and entry is not None:
+        old.ssd_used -= entry[1]
 
 
 def _new_obj(state: MasterState, p: Part, now: float, wall_ms: float, disk_only: bool) -> Obj:

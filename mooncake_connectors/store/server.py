@@ -20,6 +20,8 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
+
 from ..config import EngineConfig
 from ..errors import MasterUnavailable, MooncakeConnectorsError, ProtocolError, StoreError
 from ..transfer_core.descriptor import host_id
@@ -51,6 +53,7 @@ from .protocol import (
     Spill,
     SpillDone,
     Unmount,
+    encoder,
 )
 from .rpc import Channel, Conn, FrameServer
 from .ssd import CORRUPT, SsdStore
@@ -123,6 +126,7 @@ class StoreServer:
             self.buffer = self.engine.allocate_buffer(cfg.memory)
             if cfg.ssd_dir is not None:
                 self.ssd = SsdStore(cfg.ssd_dir, cfg.ssd_size)
+                self._readopt(self.ssd)
                 self._bounce = self.engine.allocate_buffer(cfg.bounce_size)
                 self._bounce_alloc = RangeAllocator(cfg.bounce_size)
                 self._loads = FrameServer(
@@ -291,6 +295,8 @@ class StoreServer:
                     else:
                         h.clear()
                     continue
+                if not op.segment and self.ssd is not None:
+                    self.ssd.describe(op.offset, encoder.encode(op))
                 lst = h.get(op.key)
                 if lst is None:
                     h[op.key] = [op]
@@ -305,6 +311,20 @@ class StoreServer:
             log.debug("ignoring push %s", type(msg).__name__)
 
     # -- SSD tier ---------------------------------------------------------------------------
+    def _readopt(self, ssd: SsdStore) -> None:
+        """Hold again the files an earlier run of this server left whole (re-reported when we
+        mount); a file id is unique in the store, so the master can tell them from others."""
+        for fid, meta in ssd.reindex():
+            try:
+                part = msgspec.msgpack.decode(meta, type=Part)
+            except msgspec.ValidationError:  # DecodeError is a subclass
+                ssd.delete(fid)
+                continue
+            if part.segment or part.offset != fid:
+                ssd.delete(fid)
+                continue
+            self.holdings.setdefault(part.key, []).append(part)
+
     def _work(self) -> None:
         """Spill and delete files in order, off the heartbeat thread."""
         while True:
