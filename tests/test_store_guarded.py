@@ -39,9 +39,11 @@ def master() -> Iterator[str]:
 def guards() -> Iterator[Any]:
     made: list[GuardedStore] = []
 
-    def make(addr: str, cooldown: float = 30.0, workers: int = 2, **kw: Any) -> GuardedStore:
+    def make(
+        addr: str, cooldown: float = 30.0, workers: int = 2, timeout: float = TIMEOUT, **kw: Any
+    ) -> GuardedStore:
         cfg = ClientConfig(
-            master=addr, timeout=TIMEOUT, rpc_timeout=TIMEOUT, local_buffer_size=1 << 20
+            master=addr, timeout=timeout, rpc_timeout=timeout, local_buffer_size=1 << 20
         )
         g = GuardedStore(cfg, cooldown=cooldown, workers=workers, name="t", **kw)
         made.append(g)
@@ -59,7 +61,8 @@ def stats(client: StoreClient) -> dict[str, Any]:
 def test_connects_in_the_background_and_calls_run_on_the_right_threads(
     master: str, guards: Any
 ) -> None:
-    g = guards(master)
+    # Deadlines are not what this test checks: a starved machine must not turn a call into FAILED.
+    g = guards(master, timeout=10.0)
     assert g.wait_connected(30) and g.counters["connects"] == 1
     seen: list[str] = []
 
