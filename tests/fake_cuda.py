@@ -11,16 +11,19 @@ closing what was never opened, so that tests catch a missing pin or a leaked han
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import queue
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_connectors.errors import GpuError
+from mooncake_connectors.transfer_core import cuda_driver
 from mooncake_connectors.transfer_core.cuda_driver import (
     IPC_HANDLE_BYTES,
     CudaDriver,
@@ -336,3 +339,15 @@ class FakeCudaTensor:
 class _Device:
     type: str
     index: int
+
+
+@contextlib.contextmanager
+def installed(devices: int = 2) -> Iterator[FakeCuda]:
+    """A FakeCuda at the driver seam for the duration; the previous driver is put back."""
+    f = FakeCuda(devices)
+    prev = cuda_driver.install(f)
+    try:
+        yield f
+    finally:
+        cuda_driver.install(prev)
+        f.close()

@@ -143,3 +143,20 @@ def eventually(pred: Any, timeout: float, what: str) -> None:
 
 def monotonic_ms() -> float:
     return time.monotonic() * 1000
+
+
+@contextlib.contextmanager
+def in_process_store(memory: int = 16 << 20) -> Iterator[tuple[str, Any]]:
+    """A master and one store server in this process (a fake at a seam, e.g. the CUDA driver,
+    must reach them); yields the master's address and the server."""
+    from mooncake_connectors.store.config import MasterConfig, ServerConfig
+    from mooncake_connectors.store.master import Master
+    from mooncake_connectors.store.server import StoreServer
+
+    master = Master(MasterConfig(port=0, heartbeat_interval=0.2, server_ttl=30.0)).start()
+    server = StoreServer(ServerConfig(master=master.address, memory=memory)).start()
+    try:
+        yield master.address, server
+    finally:
+        server.close()
+        master.close()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_cuda import FakeCuda
+from fake_cuda import FakeCuda, installed
 from typer.testing import CliRunner
 
 from mooncake_connectors.cli import app
@@ -17,11 +17,8 @@ from mooncake_connectors.transfer_core import cuda_driver, doctor
 
 @pytest.fixture
 def fake() -> Iterator[FakeCuda]:
-    f = FakeCuda(devices=3)
-    prev = cuda_driver.install(f)
-    yield f
-    cuda_driver.install(prev)
-    f.close()
+    with installed(3) as f:
+        yield f
 
 
 def test_gpus_versions_vmm_and_peer_matrix(fake: FakeCuda) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fake_cuda import FakeCuda, ensure_cuda_ipc_registered
+from fake_cuda import FakeCuda, ensure_cuda_ipc_registered, installed
 from helpers import Peer, pattern
 
 from mooncake_connectors.config import EngineConfig
@@ -38,11 +38,8 @@ def sha(a: Any) -> str:
 
 @pytest.fixture
 def fake() -> Iterator[FakeCuda]:
-    f = FakeCuda()
-    prev = cuda_driver.install(f)
-    yield f
-    cuda_driver.install(prev)
-    f.close()
+    with installed() as f:
+        yield f
 
 
 @pytest.fixture

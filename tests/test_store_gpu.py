@@ -10,34 +10,23 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from fake_cuda import FakeCuda
+from fake_cuda import FakeCuda, installed
 from helpers import pattern
+from store_cluster import in_process_store
 
 from mooncake_connectors.store import ClientConfig, StoreClient
-from mooncake_connectors.store.config import MasterConfig, ServerConfig
-from mooncake_connectors.store.master import Master
-from mooncake_connectors.store.server import StoreServer
-from mooncake_connectors.transfer_core import cuda_driver
 
 
 @pytest.fixture
 def fake() -> Iterator[FakeCuda]:
-    f = FakeCuda()
-    prev = cuda_driver.install(f)
-    yield f
-    cuda_driver.install(prev)
-    f.close()
+    with installed() as f:
+        yield f
 
 
 @pytest.fixture
 def master(fake: FakeCuda) -> Iterator[str]:
-    m = Master(MasterConfig(port=0, heartbeat_interval=0.2, server_ttl=30.0)).start()
-    server = StoreServer(ServerConfig(master=m.address, memory=16 << 20)).start()
-    try:
-        yield m.address
-    finally:
-        server.close()
-        m.close()
+    with in_process_store() as (address, _):
+        yield address
 
 
 def test_store_client_moves_registered_gpu_memory_directly(fake: FakeCuda, master: str) -> None:

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from fake_cuda import FakeCuda, FakeCudaTensor, ensure_cuda_ipc_registered
+from fake_cuda import FakeCuda, FakeCudaTensor, ensure_cuda_ipc_registered, installed
 from helpers import pattern
+from store_cluster import in_process_store
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
@@ -22,10 +23,6 @@ from mooncake_connectors.adapters.vllm.store_keys import BlockKeys
 from mooncake_connectors.adapters.vllm.store_scheduler import BlockSpec
 from mooncake_connectors.adapters.vllm.store_worker import StoreWorker
 from mooncake_connectors.store import ClientConfig, StoreClient
-from mooncake_connectors.store.config import MasterConfig, ServerConfig
-from mooncake_connectors.store.master import Master
-from mooncake_connectors.store.server import StoreServer
-from mooncake_connectors.transfer_core import cuda_driver
 
 BS, NUM_BLOCKS, HEADS, HEAD = 16, 32, 2, 64
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -35,22 +32,14 @@ ensure_cuda_ipc_registered()
 
 @pytest.fixture
 def fake() -> Iterator[FakeCuda]:
-    f = FakeCuda()
-    prev = cuda_driver.install(f)
-    yield f
-    cuda_driver.install(prev)
-    f.close()
+    with installed() as f:
+        yield f
 
 
 @pytest.fixture
 def master(fake: FakeCuda) -> Iterator[str]:
-    m = Master(MasterConfig(port=0, heartbeat_interval=0.2, server_ttl=30.0)).start()
-    server = StoreServer(ServerConfig(master=m.address, memory=16 << 20)).start()
-    try:
-        yield m.address
-    finally:
-        server.close()
-        m.close()
+    with in_process_store() as (address, _):
+        yield address
 
 
 def _worker(master: str, kv: dict[str, FakeCudaTensor]) -> StoreWorker:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from helpers import free_port, wait_until
+from store_cluster import in_process_store
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
@@ -42,8 +43,6 @@ from mooncake_connectors.adapters.vllm.store_scheduler import (
 from mooncake_connectors.adapters.vllm.store_worker import StoreWorker
 from mooncake_connectors.errors import ConfigError
 from mooncake_connectors.store import ClientConfig, StoreClient
-from mooncake_connectors.store.config import MasterConfig, ServerConfig
-from mooncake_connectors.store.master import Master
 from mooncake_connectors.store.server import StoreServer
 
 pytestmark = pytest.mark.vllm
@@ -60,13 +59,8 @@ def registered() -> None:
 
 @pytest.fixture
 def store() -> Iterator[tuple[str, StoreServer]]:
-    master = Master(MasterConfig(port=0, heartbeat_interval=0.2, server_ttl=30.0)).start()
-    server = StoreServer(ServerConfig(master=master.address, memory=64 << 20)).start()
-    try:
-        yield master.address, server
-    finally:
-        server.close()
-        master.close()
+    with in_process_store(64 << 20) as store:
+        yield store
 
 
 def vllm_config(model: Path, role: str, extra: dict[str, Any], caching: bool) -> VllmConfig:

@@ -13,14 +13,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from fake_cuda import FakeCuda, FakeCudaTensor, ensure_cuda_ipc_registered
+from fake_cuda import FakeCuda, FakeCudaTensor, ensure_cuda_ipc_registered, installed
 from helpers import pattern, wait_until
 
 from mooncake_connectors.config import DEFAULT_TRANSPORTS, EngineConfig
 from mooncake_connectors.pd.params import PullParams, prompt_hash
 from mooncake_connectors.pd.plan import RecvSpec, StepPlan
 from mooncake_connectors.pd.session import TransferSession
-from mooncake_connectors.transfer_core import cuda_driver
 
 BS, NUM_BLOCKS, HEADS, HEAD = 16, 32, 2, 64
 PROMPT = list(range(100, 200))
@@ -51,11 +50,8 @@ class Settings:
 
 @pytest.fixture
 def fake() -> Iterator[FakeCuda]:
-    f = FakeCuda()
-    prev = cuda_driver.install(f)
-    yield f
-    cuda_driver.install(prev)
-    f.close()
+    with installed() as f:
+        yield f
 
 
 def _kv(fake: FakeCuda, seed: int | None) -> dict[str, FakeCudaTensor]:
