@@ -179,7 +179,10 @@ def test_serve_cap_per_peer(tmp_path: Path, cfg: EngineConfig, nodes: list[P2PSt
     pub.publish("c", src, chunk_size=CHUNK)
     with pytest.raises(FetchFailed, match="chunks missing"):
         node(nodes, cfg).fetch("c", tmp_path / "d", timeout=1.5)
-    assert pub.holder.ledger.served and max(pub.holder.ledger.served.values()) == 2 * CHUNK
+    # The cap is never exceeded, and the fetcher asked until no chunk it lacked fit (the order
+    # is random: a full chunk and the 123-byte tail leave no room for another full one).
+    served = pub.holder.ledger.served
+    assert len(served) == 1 and CHUNK < max(served.values()) <= 2 * CHUNK
 
 
 def test_corrupt_holder_is_bypassed(
