@@ -72,7 +72,7 @@ def test_master_killed_calls_answer_misses_then_recover_when_it_returns() -> Non
             lambda: backend.batch_exists(keys),
         ):
             out, took = timed(call)
-            assert out in ([False] * 3, 0) and took < 0.2
+            assert out in ([False] * 3, 0) and took < TIMEOUT / 3  # not one deadline waited
         assert backend.counters().skipped_while_down >= 3
         # A new master on the same address; the server re-registers, the backend retries.
         master.close()
