@@ -44,7 +44,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from ..store.client import StoreClient
 from ..store.config import ClientConfig, parse_size
-from .procs import _free_port, _wait_port, loadavg, start_mooncake_store
+from .procs import _free_port, _stop, _wait_port, loadavg, start_mooncake_store
 
 TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128
@@ -83,13 +83,7 @@ class Stores:
         for p in reversed(self.procs):
             if p.stdin is not None:
                 p.stdin.close()
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(10)
+            _stop(p)
 
 
 def _config(system: str, mode: str, stores: Stores, cpu_gib: float, transports: str) -> Any:

@@ -32,14 +32,26 @@ def _quiet(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
+def wait_or_kill(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """Wait for ``proc`` to exit; one still running after ``timeout`` seconds is killed."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
+def stop_all(procs: list[subprocess.Popen[Any]], timeout: float = 10.0) -> None:
+    """Terminate every live process first (so they shut down side by side), then reap each."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        wait_or_kill(proc, timeout)
+
+
 def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    stop_all([proc])
 
 
 _OWNER = """
