@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .procs import CLI
+
 ENGINE_START_TIMEOUT = 300.0  # two engines starting at once on two shared cores are slow
 
 
@@ -197,7 +199,7 @@ class ProxyServer(Server):
         self.extra = list(extra)  # more proxy flags, e.g. --layerwise-push
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "mooncake_connectors", "proxy", "--port", str(self.port)]
+        cmd = [*CLI, "proxy", "--port", str(self.port)]
         for u in self.prefill:
             cmd += ["--prefill", u]
         for u in self.decode:
@@ -329,9 +331,7 @@ class StoreMaster(Server):
 
     def command(self) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "mooncake_connectors",
+            *CLI,
             "master",
             "--port",
             str(self.rpc_port),
@@ -356,9 +356,7 @@ class StoreServerProcess(Server):
 
     def command(self) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "mooncake_connectors",
+            *CLI,
             "store-server",
             "--memory",
             self.memory,

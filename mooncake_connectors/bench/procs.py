@@ -10,6 +10,9 @@ import sys
 import time
 from typing import Any
 
+# The command line of this package, run by the interpreter running the benchmark.
+CLI = [sys.executable, "-m", "mooncake_connectors"]
+
 
 def _free_port() -> int:
     with socket.socket() as s:

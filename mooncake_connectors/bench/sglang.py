@@ -24,7 +24,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from ..store.config import parse_size
-from .procs import _free_port, _quiet, _stop, _wait_port, loadavg, start_mooncake_store
+from .procs import CLI, _free_port, _quiet, _stop, _wait_port, loadavg, start_mooncake_store
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ class _Stores:
 
     def __init__(self, memory: int, with_mooncake: bool, notes: list[str]) -> None:
         self.procs: list[subprocess.Popen[Any]] = []
-        cli = [sys.executable, "-m", "mooncake_connectors"]
+        cli = CLI
         port = _free_port()
         self.procs.append(_quiet([*cli, "master", "--port", str(port)]))
         _wait_port(port, 30, self.procs[-1])

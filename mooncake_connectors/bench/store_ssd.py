@@ -19,13 +19,12 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .procs import _free_port, _quiet, _stop, _wait_port
+from .procs import CLI, _free_port, _quiet, _stop, _wait_port
 
 _CHUNK = 4
 
@@ -61,7 +60,7 @@ def run_ssd_benchmark(
     from ..store.client import StoreClient
     from ..store.config import ClientConfig
 
-    cli = [sys.executable, "-m", "mooncake_connectors"]
+    cli = CLI
     base = Path(ssd_dir) if ssd_dir else Path(tempfile.mkdtemp(prefix="mc-ssd-bench-"))
     directory = base / f"ssd-{os.getpid()}"
     procs = []
