@@ -206,18 +206,16 @@ class Master:
             if conn is None or conn.closed:
                 keep.add(rec)  # delivered once it reconnects (its next heartbeat)
                 continue
-            if rec.ops:
-                rpc.push(conn, Hold(rec.ops))
-                rec.ops = []
-            if rec.spills:
-                rpc.push(conn, Spill(rec.spills))
-                rec.spills = []
-            if rec.dropfiles:
-                rpc.push(conn, DropFiles(rec.dropfiles))
-                rec.dropfiles = []
-            if rec.promotes:
-                rpc.push(conn, Promote(rec.promotes))
-                rec.promotes = []
+            orders: tuple[tuple[list[Any], Callable[[Any], Msg]], ...] = (
+                (rec.ops, Hold),
+                (rec.spills, Spill),
+                (rec.dropfiles, DropFiles),
+                (rec.promotes, Promote),
+            )
+            for items, message in orders:
+                if items:
+                    rpc.push(conn, message(items))
+            rec.ops, rec.spills, rec.dropfiles, rec.promotes = [], [], [], []
         self.state.dirty = keep
 
     # -- handlers ---------------------------------------------------------------------------
