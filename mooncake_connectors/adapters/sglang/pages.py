@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 from ...errors import MasterUnavailable, MooncakeConnectorsError, ObjectExists
@@ -33,8 +32,8 @@ Piece = tuple[int, int]  # (address, bytes)
 T = TypeVar("T")
 
 
-# (client, keys, indices, addresses, sizes) -> per index: moved
-_Transfer = Callable[[StoreClient, Sequence[str], list[int], list[int], list[int]], list[bool]]
+# (client, keys, addresses, sizes) -> per key: moved
+_Transfer = Callable[[StoreClient, list[str], list[int], list[int]], list[bool]]
 
 
 @dataclasses.dataclass
@@ -196,8 +195,11 @@ class PageStore:
         out = [False] * len(keys)
 
         def call(client: StoreClient) -> None:
+            def some(idx: list[int], addrs: list[int], sizes: list[int]) -> list[bool]:
+                return transfer(client, [keys[i] for i in idx], addrs, [sizes[i] for i in idx])
+
             try:
-                self._move(client, objects, out, partial(transfer, client, keys), into)
+                self._move(client, objects, out, some, into)
             finally:  # counted when the store was called, whatever it answered
                 ok = sum(out)
                 count(ok, len(out) - ok)
@@ -246,16 +248,9 @@ class PageStore:
                     out[i] = ok
 
     def _put_from(
-        self,
-        client: StoreClient,
-        keys: Sequence[str],
-        idx: list[int],
-        addrs: list[int],
-        sizes: list[int],
+        self, client: StoreClient, keys: list[str], addrs: list[int], sizes: list[int]
     ) -> list[bool]:
-        errs = client.batch_put_from(
-            [keys[i] for i in idx], addrs, [sizes[i] for i in idx], replicas=self.cfg.replicas
-        )
+        errs = client.batch_put_from(keys, addrs, sizes, replicas=self.cfg.replicas)
         out = []
         for err in errs:
             # Another rank or server stored the same page first: that is a success.
@@ -265,18 +260,13 @@ class PageStore:
         return out
 
     def _get_into(
-        self,
-        client: StoreClient,
-        keys: Sequence[str],
-        idx: list[int],
-        addrs: list[int],
-        sizes: list[int],
+        self, client: StoreClient, keys: list[str], addrs: list[int], sizes: list[int]
     ) -> list[bool]:
-        res = client.batch_get_into([keys[i] for i in idx], addrs, [sizes[i] for i in idx])
+        res = client.batch_get_into(keys, addrs, sizes)
         out = []
-        for i, r in zip(idx, res, strict=True):
+        for size, r in zip(sizes, res, strict=True):
             # A stored object of another size is another format's page: a miss, never half a page.
-            out.append(isinstance(r, int) and r == sizes[i])
+            out.append(isinstance(r, int) and r == size)
             if isinstance(r, MooncakeConnectorsError):
                 self.log.warn("get", "store read failed, reported as a miss: %s", r)
         return out
