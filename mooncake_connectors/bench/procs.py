@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -108,6 +109,15 @@ def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tup
     if line != "ready":
         raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
     return master, meta
+
+
+def machine() -> dict[str, Any]:
+    """What a benchmark ran on, for its JSON report."""
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def loadavg() -> list[float]:

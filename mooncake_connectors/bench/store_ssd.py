@@ -17,14 +17,13 @@ destination) and of one ``get`` (new bytes).
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .procs import CLI, _free_port, _quiet, _stop, _wait_port
+from .procs import CLI, _free_port, _quiet, _stop, _wait_port, machine
 
 _CHUNK = 4
 
@@ -101,11 +100,7 @@ def run_ssd_benchmark(
         "unit": "per call: ops/s, GB/s over the summed call times; latency of one call in µs",
         "memory": memory,
         "ops_per_case": ops,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "results": results,
         "notes": [
             "ssd_warm: files in the OS page cache (just spilled); ssd_cold: dropped from the "
