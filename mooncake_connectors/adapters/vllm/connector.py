@@ -70,9 +70,6 @@ class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker, PDConfig])
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self._worker is None else self._worker.handshake()
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before vLLM schedules the request (asynchronous loading)
-
     def save_kv_layer(
         self,
         layer_name: str,
