@@ -100,7 +100,8 @@ def bearer_ok(header: str | None, token: str) -> bool:
     return hmac.compare_digest((header or "").encode(), f"Bearer {token}".encode())
 
 
-def _check_host(host: str, what: str) -> None:
+def check_host(host: str, what: str = "host") -> None:
+    """A host name or address: not empty, no white space (what binds and what is advertised)."""
     if not host or any(c.isspace() for c in host):
         raise ConfigError(f"{what} must be a host name or address, got {host!r}")
 
@@ -172,7 +173,7 @@ class EngineConfig:
     tls_ca: str | None = None
 
     def __post_init__(self) -> None:
-        _check_host(self.host, "host")
+        check_host(self.host)
         self.tls  # noqa: B018 - checks the files now, not at the first connection
         _check_port(self.port, "port")
         if self.segment_name is not None and not self.segment_name.strip():

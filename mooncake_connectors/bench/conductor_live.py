@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .launch import Server, StoreMaster, StoreServerProcess, VllmServer, completion, random_prompt
+from .procs import CLI
 from .tiny_model import build
 
 _BLOCK = 32
@@ -93,10 +94,7 @@ class _Proxy(Server):
         self.args = args
 
     def command(self) -> list[str]:
-        import sys
-
-        return [sys.executable, "-m", "mooncake_connectors", "proxy", "--port", str(self.port),
-                *self.args]  # fmt: skip
+        return [*CLI, "proxy", "--port", str(self.port), *self.args]
 
     def stats(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/conductor/stats", timeout=10) as r:

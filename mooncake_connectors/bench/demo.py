@@ -55,6 +55,7 @@ from .launch import (
     StoreMaster,
     StoreServerProcess,
     VllmServer,
+    completion_body,
     iter_stream,
     stream_completion,
 )
@@ -104,15 +105,7 @@ def _sequential(url: str, prompts: list[list[int]], max_tokens: int) -> dict[str
 
 def _stream_times(url: str, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
     """Arrival time (perf_counter) of every streamed token, and the token ids."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
+    body = completion_body(prompt, max_tokens, stream=True)
     times: list[float] = []
     ids: list[int] = []
     for event in iter_stream(url + "/v1/completions", body, 300.0):

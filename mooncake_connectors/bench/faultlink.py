@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import random
 import selectors
 import socket
@@ -27,6 +28,17 @@ import threading
 import time
 
 CHUNK = 64 << 10
+
+
+@dataclasses.dataclass(eq=False)
+class _Direction:
+    """One direction of a relayed connection: its reader queues each chunk from ``src`` with
+    the time it is due, and its writer sends it on to ``dst`` then."""
+
+    src: socket.socket
+    dst: socket.socket
+    q: collections.deque[tuple[float, bytes]] = dataclasses.field(default_factory=collections.deque)
+    ready: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
 
 class FaultLink:
@@ -100,24 +112,17 @@ class FaultLink:
             pair = (down, up)
             done = [0]
             for a, b in ((down, up), (up, down)):
-                q: collections.deque[tuple[float, bytes]] = collections.deque()
-                ready = threading.Condition()
-                threading.Thread(target=self._read, args=(a, b, q, ready), daemon=True).start()
+                d = _Direction(a, b)
+                threading.Thread(target=self._read, args=(d,), daemon=True).start()
                 threading.Thread(
-                    target=self._write_then_close, args=(a, b, q, ready, pair, done), daemon=True
+                    target=self._write_then_close, args=(d, pair, done), daemon=True
                 ).start()
 
     def _write_then_close(
-        self,
-        src: socket.socket,
-        dst: socket.socket,
-        q: collections.deque[tuple[float, bytes]],
-        ready: threading.Condition,
-        pair: tuple[socket.socket, socket.socket],
-        done: list[int],
+        self, d: _Direction, pair: tuple[socket.socket, socket.socket], done: list[int]
     ) -> None:
         try:
-            self._write(src, dst, q, ready)
+            self._write(d)
         finally:
             with self._lock:
                 done[0] += 1
@@ -135,13 +140,8 @@ class FaultLink:
             d += self.stall
         return time.monotonic() + max(0.0, d)
 
-    def _read(
-        self,
-        src: socket.socket,
-        dst: socket.socket,
-        q: collections.deque[tuple[float, bytes]],
-        ready: threading.Condition,
-    ) -> None:
+    def _read(self, d: _Direction) -> None:
+        src, q, ready = d.src, d.q, d.ready
         sel = selectors.DefaultSelector()
         try:
             sel.register(src, selectors.EVENT_READ)
@@ -172,13 +172,8 @@ class FaultLink:
                 q.append((time.monotonic(), b""))
                 ready.notify()
 
-    def _write(
-        self,
-        src: socket.socket,
-        dst: socket.socket,
-        q: collections.deque[tuple[float, bytes]],
-        ready: threading.Condition,
-    ) -> None:
+    def _write(self, d: _Direction) -> None:
+        src, dst, q, ready = d.src, d.dst, d.q, d.ready
         while not self._stop.is_set():
             with ready:
                 while not q and not self._stop.is_set():

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from .fuzz_frames import PORTS, Port, SidePort, drain
+from .procs import wait_or_kill
 
 RSS_BUDGET = 256 << 20  # far below any hostile length tried (>= 1 GiB), far above normal growth
 
@@ -73,11 +74,7 @@ class TargetProcess:
             if self.proc.stdin is not None:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        wait_or_kill(self.proc)
 
 
 def _send_burst(port: Port, rng: random.Random, budget: int) -> int:

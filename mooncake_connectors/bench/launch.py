@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .procs import CLI
+
 ENGINE_START_TIMEOUT = 300.0  # two engines starting at once on two shared cores are slow
 
 
@@ -197,7 +199,7 @@ class ProxyServer(Server):
         self.extra = list(extra)  # more proxy flags, e.g. --layerwise-push
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "mooncake_connectors", "proxy", "--port", str(self.port)]
+        cmd = [*CLI, "proxy", "--port", str(self.port)]
         for u in self.prefill:
             cmd += ["--prefill", u]
         for u in self.decode:
@@ -254,6 +256,22 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> list[
     return list(iter_stream(url, body, timeout))
 
 
+def completion_body(prompt: list[int], max_tokens: int, *, stream: bool) -> dict[str, Any]:
+    """A greedy, fixed-length completion request of a token-id prompt that asks for the answer's
+    token ids too (every benchmark compares or counts them)."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
 def stream_completion(
     url: str,
     prompt: list[int],
@@ -267,16 +285,7 @@ def stream_completion(
 
     Returns (seconds from ``t0`` (default: the send) to the first token, seconds to the end,
     all token ids)."""
-    body: dict[str, Any] = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
-    body.update(extra or {})
+    body = completion_body(prompt, max_tokens, stream=True) | (extra or {})
     start = time.perf_counter() if t0 is None else t0
     first = 0.0
     ids: list[int] = []
@@ -295,15 +304,7 @@ def completion(
     url: str, prompt: list[int], max_tokens: int, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Greedy, fixed-length completion of a token-id prompt; returns the whole answer."""
-    body: dict[str, Any] = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    body.update(extra or {})
+    body = completion_body(prompt, max_tokens, stream=False) | (extra or {})
     return post(url + "/v1/completions", body)
 
 
@@ -330,9 +331,7 @@ class StoreMaster(Server):
 
     def command(self) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "mooncake_connectors",
+            *CLI,
             "master",
             "--port",
             str(self.rpc_port),
@@ -357,9 +356,7 @@ class StoreServerProcess(Server):
 
     def command(self) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "mooncake_connectors",
+            *CLI,
             "store-server",
             "--memory",
             self.memory,

@@ -29,7 +29,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -44,7 +43,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from ..store.client import StoreClient
 from ..store.config import ClientConfig, parse_size
-from .procs import _free_port, _wait_port, loadavg, start_mooncake_store
+from .procs import CLI, _free_port, _stop, _wait_port, loadavg, start_mooncake_store
 
 TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128
@@ -65,7 +64,7 @@ class Stores:
             return self.procs[-1]
 
         port = _free_port()
-        cli = [sys.executable, "-m", "mooncake_connectors"]
+        cli = CLI
         _wait_port(port, 60, quiet([*cli, "master", "--port", str(port)]))
         self.ours = f"127.0.0.1:{port}"
         args = [*cli, "store-server", "--master", self.ours, "--memory", str(memory)]
@@ -83,13 +82,7 @@ class Stores:
         for p in reversed(self.procs):
             if p.stdin is not None:
                 p.stdin.close()
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(10)
+            _stop(p)
 
 
 def _config(system: str, mode: str, stores: Stores, cpu_gib: float, transports: str) -> Any:

@@ -31,6 +31,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
+from .procs import stop_all
+
 _WAIT = 300.0  # deadline of any one wait on a process
 
 
@@ -55,18 +57,6 @@ def _collect(q: queue.Queue[tuple[int, str]], want: int, key: str) -> dict[int, 
             if key in msg:
                 got[idx] = msg
     return got
-
-
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=15)
 
 
 def _one(
@@ -134,7 +124,7 @@ def _one(
         go.touch()
         done = _collect(q, n, "finished")
     finally:
-        _stop(procs)
+        stop_all(procs, 15)
     for i in range(n):
         shutil.rmtree(work / f"{name}-{i}", ignore_errors=True)
     ends = [d["finished"] for d in done.values()]

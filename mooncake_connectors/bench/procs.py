@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import socket
 import subprocess
 import sys
 import time
 from typing import Any
+
+# The command line of this package, run by the interpreter running the benchmark.
+CLI = [sys.executable, "-m", "mooncake_connectors"]
 
 
 def _free_port() -> int:
@@ -32,14 +36,26 @@ def _quiet(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
+def wait_or_kill(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """Wait for ``proc`` to exit; one still running after ``timeout`` seconds is killed."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
+def stop_all(procs: list[subprocess.Popen[Any]], timeout: float = 10.0) -> None:
+    """Terminate every live process first (so they shut down side by side), then reap each."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        wait_or_kill(proc, timeout)
+
+
 def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    stop_all([proc])
 
 
 _OWNER = """
@@ -93,6 +109,15 @@ def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tup
     if line != "ready":
         raise RuntimeError(f"Mooncake data owner failed: {line or owner.poll()}")
     return master, meta
+
+
+def machine() -> dict[str, Any]:
+    """What a benchmark ran on, for its JSON report."""
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def loadavg() -> list[float]:

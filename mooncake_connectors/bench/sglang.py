@@ -20,11 +20,8 @@ ours_tcp ÷ mooncake; against Mooncake's tcp the like-for-like headline is ours_
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -33,7 +30,16 @@ from typing import Any
 import torch
 
 from ..store.config import parse_size
-from .procs import _free_port, _quiet, _stop, _wait_port, loadavg, start_mooncake_store
+from .procs import (
+    CLI,
+    _free_port,
+    _quiet,
+    _stop,
+    _wait_port,
+    loadavg,
+    machine,
+    start_mooncake_store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +95,7 @@ class _Stores:
 
     def __init__(self, memory: int, with_mooncake: bool, notes: list[str]) -> None:
         self.procs: list[subprocess.Popen[Any]] = []
-        cli = [sys.executable, "-m", "mooncake_connectors"]
+        cli = CLI
         port = _free_port()
         self.procs.append(_quiet([*cli, "master", "--port", str(port)]))
         _wait_port(port, 30, self.procs[-1])
@@ -287,11 +293,7 @@ def _summarise(
         "unit": "pages/s and GB/s: median of rounds; latency of one call (one batch) in ms",
         "pages_per_call": pages,
         "rounds": rounds,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "results": results,
         "ratios_ours_tcp_vs_mooncake": ratios_tcp,
         "ratios_ours_vs_mooncake": ratios,

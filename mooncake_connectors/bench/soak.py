@@ -30,14 +30,13 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from typing import IO, Any
 
 from ..errors import MooncakeConnectorsError
+from .procs import CLI
 
-CLI = [sys.executable, "-m", "mooncake_connectors"]
 TIMERS = ["--heartbeat-interval", "0.2", "--server-ttl", "1.5", "--read-lease-ttl", "1.0",
           "--put-lease-ttl", "3.0"]  # fmt: skip
 FAULTS = ("server", "flap", "master", "lossy")

@@ -14,13 +14,13 @@ import platform
 import random
 import socket
 import subprocess
-import sys
 import time
 from typing import Any
 
 from ..store.config import MAX_SEGMENT_SIZE
 from ..store.protocol import Err, Get, Heartbeat, Hello, Mount, PutEnd, PutStart
 from ..store.rpc import Channel
+from .procs import CLI
 
 
 def _rss(pid: int) -> int:
@@ -38,7 +38,7 @@ def run_memory_benchmark(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mooncake_connectors", "master", "--port", str(port)],
+        [*CLI, "master", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

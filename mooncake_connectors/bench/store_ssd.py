@@ -17,15 +17,13 @@ destination) and of one ``get`` (new bytes).
 from __future__ import annotations
 
 import os
-import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .procs import _free_port, _quiet, _stop, _wait_port
+from .procs import CLI, _free_port, _quiet, _stop, _wait_port, machine
 
 _CHUNK = 4
 
@@ -61,7 +59,7 @@ def run_ssd_benchmark(
     from ..store.client import StoreClient
     from ..store.config import ClientConfig
 
-    cli = [sys.executable, "-m", "mooncake_connectors"]
+    cli = CLI
     base = Path(ssd_dir) if ssd_dir else Path(tempfile.mkdtemp(prefix="mc-ssd-bench-"))
     directory = base / f"ssd-{os.getpid()}"
     procs = []
@@ -102,11 +100,7 @@ def run_ssd_benchmark(
         "unit": "per call: ops/s, GB/s over the summed call times; latency of one call in µs",
         "memory": memory,
         "ops_per_case": ops,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "results": results,
         "notes": [
             "ssd_warm: files in the OS page cache (just spilled); ssd_cold: dropped from the "

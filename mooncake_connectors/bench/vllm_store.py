@@ -43,27 +43,20 @@ from .launch import (
     StoreServerProcess,
     VllmServer,
     completion,
+    completion_body,
     free_port,
     post_stream,
     random_prompt,
     token_ids,
 )
-from .procs import loadavg
+from .procs import _stop, loadavg
 
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
     """(ms to the first streamed token, all token ids)."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
+    body = completion_body(prompt, max_tokens, stream=True)
     t0 = time.perf_counter()
     first = 0.0
     ids: list[int] = []
@@ -190,13 +183,7 @@ class _Theirs:
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=10)
+            _stop(p)
 
 
 def run_store_benchmark(

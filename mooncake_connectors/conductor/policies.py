@@ -205,6 +205,16 @@ def _source(
     return holder, matches[holder]
 
 
+def _best_source(
+    ctx: PlanContext, req: ScheduleRequest, matches: Mapping[str, int] | None
+) -> tuple[str | None, int, int, float]:
+    """The fetch source, its leading blocks and their tokens, and the prefill time of the rest
+    once they are here (on an instance of slowdown 1)."""
+    holder, blocks = _source(ctx, req, matches)
+    tokens = _tokens(blocks, req, ctx.block_tokens)
+    return holder, blocks, tokens, ctx.prefill_model.time(req.prompt_tokens, tokens)
+
+
 def _matches(ctx: PlanContext, req: ScheduleRequest) -> dict[str, int] | None:
     """Every instance's match (small pools), the holders' (large), or None: searched lazily."""
     if ctx.order is None:
@@ -217,9 +227,7 @@ def _matches(ctx: PlanContext, req: ScheduleRequest) -> dict[str, int] | None:
 def place_global_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
     """Algorithm 1 of the paper (lines 1-23, 28-30)."""
     matches = _matches(ctx, req)
-    best_holder, best = _source(ctx, req, matches)
-    best_tokens = _tokens(best, req, ctx.block_tokens)
-    prefill_best = ctx.prefill_model.time(req.prompt_tokens, best_tokens)
+    best_holder, best, best_tokens, prefill_best = _best_source(ctx, req, matches)
 
     def plan_for(inst: str, local: int) -> PrefillPlan:
         # Division by a zero local prefix counts as "infinitely better elsewhere".
@@ -250,9 +258,7 @@ def place_global_cache(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
 def place_adaptive(ctx: PlanContext, req: ScheduleRequest) -> PrefillPlan:
     """Ours: cost both options everywhere; overlap fetch with queueing; booked NIC times."""
     matches = _matches(ctx, req)
-    best_holder, best = _source(ctx, req, matches)
-    best_tokens = _tokens(best, req, ctx.block_tokens)
-    prefill_best = ctx.prefill_model.time(req.prompt_tokens, best_tokens)
+    best_holder, best, best_tokens, prefill_best = _best_source(ctx, req, matches)
 
     def plan_for(inst: str, local: int) -> PrefillPlan:
         # Blocks that requests queued ahead will have stored by the time this one starts count

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import DEFAULT_TRANSPORTS, GIB, KIB, MIB
+from ..config import DEFAULT_TRANSPORTS, GIB, KIB, MIB, check_host
 from ..errors import ConfigError
 from ..tls import TlsConfig
 
@@ -116,8 +116,7 @@ class MasterConfig:
 
     def __post_init__(self) -> None:
         _check_token(self.auth_token)
-        if not self.host or any(c.isspace() for c in self.host):
-            raise ConfigError(f"host must be a host name or address, got {self.host!r}")
+        check_host(self.host)
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

@@ -97,8 +97,8 @@ class Master:
             Remove: self._remove,
             RemoveAll: self._remove_all,
             Report: self._report,
-            SpillDone: self._spill_done,
-            Promoted: self._promoted,
+            SpillDone: self._files_done,
+            Promoted: self._files_done,
             FilesLost: self._files_lost,
             Stats: self._stats,
         }
@@ -206,18 +206,16 @@ class Master:
             if conn is None or conn.closed:
                 keep.add(rec)  # delivered once it reconnects (its next heartbeat)
                 continue
-            if rec.ops:
-                rpc.push(conn, Hold(rec.ops))
-                rec.ops = []
-            if rec.spills:
-                rpc.push(conn, Spill(rec.spills))
-                rec.spills = []
-            if rec.dropfiles:
-                rpc.push(conn, DropFiles(rec.dropfiles))
-                rec.dropfiles = []
-            if rec.promotes:
-                rpc.push(conn, Promote(rec.promotes))
-                rec.promotes = []
+            orders: tuple[tuple[list[Any], Callable[[Any], Msg]], ...] = (
+                (rec.ops, Hold),
+                (rec.spills, Spill),
+                (rec.dropfiles, DropFiles),
+                (rec.promotes, Promote),
+            )
+            for items, message in orders:
+                if items:
+                    rpc.push(conn, message(items))
+            rec.ops, rec.spills, rec.dropfiles, rec.promotes = [], [], [], []
         self.state.dirty = keep
 
     # -- handlers ---------------------------------------------------------------------------
@@ -330,9 +328,10 @@ class Master:
         collect(self.state, rec, msg.parts, msg.done, now)
         return Ok()
 
-    def _spill_done(self, conn: Conn, msg: SpillDone, now: float) -> Msg:
+    def _files_done(self, conn: Conn, msg: SpillDone | Promoted, now: float) -> Msg:
+        done = self.state.spill_done if isinstance(msg, SpillDone) else self.state.promote_done
         for fid, ok in msg.results:
-            self.state.spill_done(msg.client_id, fid, ok, now)
+            done(msg.client_id, fid, ok, now)
         return Ok()
 
     def _files_lost(self, conn: Conn, msg: FilesLost, now: float) -> Msg:
@@ -340,11 +339,6 @@ class Master:
         if rec is not None:
             for fid in msg.file_ids:
                 self.state.file_lost(rec, fid)
-        return Ok()
-
-    def _promoted(self, conn: Conn, msg: Promoted, now: float) -> Msg:
-        for fid, ok in msg.results:
-            self.state.promote_done(msg.client_id, fid, ok, now)
         return Ok()
 
     def _stats(self, conn: Conn, msg: Stats, now: float) -> Msg:

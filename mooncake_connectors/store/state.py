@@ -301,7 +301,7 @@ class MasterState:
         return eviction.evict_to_watermark(self, now)
 
     def spill_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
-        tier.spill_done(self, client_id, fid, ok, now)
+        tier.file_done(self, client_id, fid, ok, now, spill=True)
 
     def file_lost(self, rec: Server, fid: int) -> None:
         """``rec`` found file ``fid`` damaged: its object is gone (reads are plain misses)."""
@@ -309,7 +309,7 @@ class MasterState:
             tier.drop_file_owner(self, rec, fid, "ssd_damaged")
 
     def promote_done(self, client_id: str, fid: int, ok: bool, now: float) -> None:
-        tier.promote_done(self, client_id, fid, ok, now)
+        tier.file_done(self, client_id, fid, ok, now, spill=False)
 
     def settling(self, now: float) -> bool:
         """Servers may still be (re)registering with this new master: an allocation it does not

@@ -99,7 +99,7 @@ def start_spill(st: MasterState, key: str, obj: Obj, mem_bytes: int) -> bool:
     return True
 
 
-def _file_done(jobs: dict[int, Job], client_id: str, fid: int, ok: bool) -> Job | None:
+def _job_after_report(jobs: dict[int, Job], client_id: str, fid: int, ok: bool) -> Job | None:
     """Count a server's report on one file of a job: the job once its last file is reported,
     else None."""
     job = jobs.get(fid)
@@ -111,10 +111,15 @@ def _file_done(jobs: dict[int, Job], client_id: str, fid: int, ok: bool) -> Job 
     return job if job.pending <= 0 else None
 
 
-def spill_done(st: MasterState, client_id: str, fid: int, ok: bool, now: float) -> None:
-    job = _file_done(st.spilling, client_id, fid, ok)
+def file_done(
+    st: MasterState, client_id: str, fid: int, ok: bool, now: float, *, spill: bool
+) -> None:
+    """A server's report on one file of a spill (``spill``) or a promotion; the job finishes
+    once its last file is reported."""
+    jobs, finish = (st.spilling, _finish_spill) if spill else (st.promoting, _finish_promote)
+    job = _job_after_report(jobs, client_id, fid, ok)
     if job is not None:
-        _finish_spill(st, job, now)
+        finish(st, job, now)
 
 
 def _finish_spill(st: MasterState, job: Job, now: float) -> None:
@@ -244,12 +249,6 @@ def maybe_promote(st: MasterState, key: str, obj: Obj, now: float) -> bool:
     job.pending = nst
     obj.meta |= PROMOTING
     return True
-
-
-def promote_done(st: MasterState, client_id: str, fid: int, ok: bool, now: float) -> None:
-    job = _file_done(st.promoting, client_id, fid, ok)
-    if job is not None:
-        _finish_promote(st, job, now)
 
 
 def _finish_promote(st: MasterState, job: Job, now: float) -> None:

@@ -13,6 +13,7 @@ writes when it saves chunk metadata; they are copied once on each side.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ def release(objs: Sequence[Any | None]) -> None:
             obj.ref_count_down()
 
 
+@dataclasses.dataclass(eq=False)
 class ChunkCodec:
     """What a chunk looks like here: the configured shape, dtypes and format of a full chunk.
 
@@ -41,26 +43,18 @@ class ChunkCodec:
     reshape(obj, n): LMCache's own narrowing of a full-size object to the n bytes read.
     """
 
-    def __init__(
-        self,
-        backend: Any,
-        shapes: list[Any],
-        dtypes: list[Any],
-        fmt: Any,
-        full_bytes: int,
-        token_bytes: int,
-        reshape: Callable[[Any, int], Any],
-        warn: Warn,
-    ) -> None:
-        self.backend = backend
-        self.shapes = shapes
-        self.dtypes = dtypes
-        self.fmt = fmt
-        self.full_bytes = full_bytes
-        self.token_bytes = token_bytes
-        self.reshape = reshape
-        self.warn = warn
-        self.token_dim: int = fmt.token_dim()
+    backend: Any
+    shapes: list[Any]
+    dtypes: list[Any]
+    fmt: Any
+    full_bytes: int
+    token_bytes: int
+    reshape: Callable[[Any, int], Any]
+    warn: Warn
+    token_dim: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_dim = self.fmt.token_dim()
 
     def _allocate(self, shapes: Any, dtypes: Any, fmt: Any) -> Any | None:
         # busy_loop=False: evict if it can, never spin waiting for memory on a store thread.

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...config import DEFAULT_TRANSPORTS, KIB, MIB
+from ...config import DEFAULT_TRANSPORTS, KIB, MIB, check_host
 from ...errors import ConfigError
 from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import DEFAULT_MASTER_PORT, MAX_REPLICAS, ClientConfig, check_master_address
@@ -91,8 +91,7 @@ class PluginConfig:
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
-        if not self.host or any(c.isspace() for c in self.host):
-            raise ConfigError(f"host must be a host name or address, got {self.host!r}")
+        check_host(self.host)
         if not self.transports or len(set(self.transports)) != len(self.transports):
             raise ConfigError(f"transports must name each transport once, got {self.transports}")
         if not 0 < self.timeout <= 600:

@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...config import DEFAULT_TRANSPORTS, MIB
+from ...config import DEFAULT_TRANSPORTS, MIB, check_host
 from ...errors import ConfigError
 from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import MAX_REPLICAS, ClientConfig, check_master_address
@@ -116,8 +116,7 @@ class HiCacheStoreConfig:
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
-        if not self.host or any(c.isspace() for c in self.host):
-            raise ConfigError(f"host must be a host name or address, got {self.host!r}")
+        check_host(self.host)
         if self.metadata is not None and not self.metadata.strip():
             raise ConfigError("metadata must not be empty (leave it out to use the master's)")
         if not self.transports or len(set(self.transports)) != len(self.transports):

@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 from ...errors import MasterUnavailable, MooncakeConnectorsError, ObjectExists
@@ -31,6 +30,10 @@ from .config import HiCacheStoreConfig
 log = logging.getLogger(__name__)
 Piece = tuple[int, int]  # (address, bytes)
 T = TypeVar("T")
+
+
+# (client, keys, addresses, sizes) -> per key: moved
+_Transfer = Callable[[StoreClient, list[str], list[int], list[int]], list[bool]]
 
 
 @dataclasses.dataclass
@@ -44,6 +47,14 @@ class Counters:
     exists_calls: int = 0
     bugs: int = 0  # unexpected exceptions the engine-facing class turned into misses
     store: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+    def count_puts(self, stored: int, failed: int) -> None:
+        self.objects_put += stored
+        self.objects_put_failed += failed
+
+    def count_reads(self, hits: int, missed: int) -> None:
+        self.objects_read += hits
+        self.objects_missed += missed
 
     @property
     def errors(self) -> int:
@@ -165,34 +176,36 @@ class PageStore:
     def put(self, keys: Sequence[str], objects: Sequence[Sequence[Piece]]) -> list[bool]:
         """Store every object under its key; per key True if it is in the store now (stored,
         or already there)."""
-        out = [False] * len(keys)
-
-        def put(client: StoreClient) -> None:
-            try:
-                self._move(client, objects, out, partial(self._put_from, client, keys))
-            finally:  # counted when the store was called, whatever it answered
-                stored = sum(out)
-                self.counters.objects_put += stored
-                self.counters.objects_put_failed += len(out) - stored
-
-        if keys:
-            self._call("put", put)
-        return out
+        return self._batch("put", keys, objects, self._put_from, self.counters.count_puts)
 
     def get(self, keys: Sequence[str], objects: Sequence[Sequence[Piece]]) -> list[bool]:
         """Read every object into its pieces; per key True only if all its bytes arrived."""
+        return self._batch("get", keys, objects, self._get_into, self.counters.count_reads, True)
+
+    def _batch(
+        self,
+        op: str,
+        keys: Sequence[str],
+        objects: Sequence[Sequence[Piece]],
+        transfer: _Transfer,
+        count: Callable[[int, int], None],
+        into: bool = False,
+    ) -> list[bool]:
+        """One store call moving every object (see :meth:`_move`); ``count(ok, failed)``."""
         out = [False] * len(keys)
 
-        def get(client: StoreClient) -> None:
+        def call(client: StoreClient) -> None:
+            def some(idx: list[int], addrs: list[int], sizes: list[int]) -> list[bool]:
+                return transfer(client, [keys[i] for i in idx], addrs, [sizes[i] for i in idx])
+
             try:
-                self._move(client, objects, out, partial(self._get_into, client, keys), True)
-            finally:
-                hits = sum(out)
-                self.counters.objects_read += hits
-                self.counters.objects_missed += len(out) - hits
+                self._move(client, objects, out, some, into)
+            finally:  # counted when the store was called, whatever it answered
+                ok = sum(out)
+                count(ok, len(out) - ok)
 
         if keys:
-            self._call("get", get)
+            self._call(op, call)
         return out
 
     def _move(
@@ -235,16 +248,9 @@ class PageStore:
                     out[i] = ok
 
     def _put_from(
-        self,
-        client: StoreClient,
-        keys: Sequence[str],
-        idx: list[int],
-        addrs: list[int],
-        sizes: list[int],
+        self, client: StoreClient, keys: list[str], addrs: list[int], sizes: list[int]
     ) -> list[bool]:
-        errs = client.batch_put_from(
-            [keys[i] for i in idx], addrs, [sizes[i] for i in idx], replicas=self.cfg.replicas
-        )
+        errs = client.batch_put_from(keys, addrs, sizes, replicas=self.cfg.replicas)
         out = []
         for err in errs:
             # Another rank or server stored the same page first: that is a success.
@@ -254,18 +260,13 @@ class PageStore:
         return out
 
     def _get_into(
-        self,
-        client: StoreClient,
-        keys: Sequence[str],
-        idx: list[int],
-        addrs: list[int],
-        sizes: list[int],
+        self, client: StoreClient, keys: list[str], addrs: list[int], sizes: list[int]
     ) -> list[bool]:
-        res = client.batch_get_into([keys[i] for i in idx], addrs, [sizes[i] for i in idx])
+        res = client.batch_get_into(keys, addrs, sizes)
         out = []
-        for i, r in zip(idx, res, strict=True):
+        for size, r in zip(sizes, res, strict=True):
             # A stored object of another size is another format's page: a miss, never half a page.
-            out.append(isinstance(r, int) and r == sizes[i])
+            out.append(isinstance(r, int) and r == size)
             if isinstance(r, MooncakeConnectorsError):
                 self.log.warn("get", "store read failed, reported as a miss: %s", r)
         return out
@@ -284,8 +285,7 @@ class PageStore:
         if got is FAILED:
             return [None] * len(keys)
         hits = sum(v is not None for v in got)
-        self.counters.objects_read += hits
-        self.counters.objects_missed += len(got) - hits
+        self.counters.count_reads(hits, len(got) - hits)
         return got
 
     def remove_all(self, *, force: bool = False) -> int | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -139,30 +139,32 @@ class HiCacheStore(HiCacheStorage):
             return []
         if self.is_mla and not self.is_writer:
             return [True] * len(keys)  # the writer rank stores the page all ranks share
-        if self.mem_pool_host is None:
-            return [False] * len(keys)
-        with self._guard("batch_set_v1", [False] * len(keys)) as g:
-            t0 = time.perf_counter()
-            ok = self._pages_ok(
-                self.store.put(self.keys.objects(keys), self._objects(len(keys), host_indices))
-            )
-            self._record("backup", sum(ok), time.perf_counter() - t0)
-            g.result = ok
-        return list(g.result)
+        return self._pages_v1("batch_set_v1", "backup", self.store.put, keys, host_indices)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         if not keys:
             return []
+        return self._pages_v1("batch_get_v1", "prefetch", self.store.get, keys, host_indices)
+
+    def _pages_v1(
+        self,
+        what: str,
+        kind: str,
+        move: Callable[[list[str], list[list[Piece]]], list[bool]],
+        keys: list[str],
+        host_indices: Any,
+    ) -> list[bool]:
+        """Move whole pages between the host pool and the store; a page counts (in ``kind``'s
+        metrics) only when all its objects moved."""
         if self.mem_pool_host is None:
             return [False] * len(keys)
-        with self._guard("batch_get_v1", [False] * len(keys)) as g:
+        with self._guard(what, [False] * len(keys)) as g:
             t0 = time.perf_counter()
-            ok = self._pages_ok(
-                self.store.get(self.keys.objects(keys), self._objects(len(keys), host_indices))
-            )
-            self._record("prefetch", sum(ok), time.perf_counter() - t0)
+            moved = move(self.keys.objects(keys), self._objects(len(keys), host_indices))
+            ok = self._pages_ok(moved)
+            self._record(kind, sum(ok), time.perf_counter() - t0)
             g.result = ok
         return list(g.result)
 

@@ -1,16 +1,21 @@
 """What our vLLM connectors share: one core object per role, thin forwarding, stats.
 
-A connector subclass builds its scheduler-side or worker-side core in ``__init__`` and names its
-metadata, stats and Prometheus classes; everything vLLM calls that only forwards lives here.
+A connector subclass names its configuration, metadata, stats and Prometheus classes and says
+how to build its scheduler-side and worker-side cores; ``__init__`` here parses the extra config
+and builds the core of the instance's role, and everything vLLM calls that only forwards lives
+here.
 """
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorRole,
 )
 
 from .stats import ListStats, PromMetrics
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 
@@ -50,9 +56,16 @@ class WorkerCore(Protocol):
 
 S = TypeVar("S", bound=SchedulerCore)
 W = TypeVar("W", bound=WorkerCore)
+C = TypeVar("C")
 
 
-class DelegatingConnector(KVConnectorBase_V1, Generic[S, W]):  # type: ignore[misc]  # Any without vLLM
+def num_kv_heads(kv_cache_config: KVCacheConfig) -> int:
+    """This rank's KV heads, from the engine's KV cache spec (0 where the spec has none)."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return int(getattr(spec, "num_kv_heads", 0) or 0)
+
+
+class DelegatingConnector(KVConnectorBase_V1, Generic[S, W, C]):  # type: ignore[misc]  # Any without vLLM
     """vLLM's connector interface forwarding to ``scheduler`` or ``worker``, whichever this
     role has. Loads complete before vLLM schedules a request, and nothing is sent layer by layer,
     so the per-layer hooks do nothing."""
@@ -63,6 +76,32 @@ class DelegatingConnector(KVConnectorBase_V1, Generic[S, W]):  # type: ignore[mi
 
     _scheduler: S | None = None
     _worker: W | None = None
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config  # the base class checked it is set
+        config = self._parse_config(ktc.kv_connector_extra_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = self._build_scheduler(config, vllm_config, kv_cache_config)
+        else:
+            self._worker = self._build_worker(config, vllm_config, kv_cache_config)
+
+    @classmethod
+    @abc.abstractmethod
+    def _parse_config(cls, extra: Mapping[str, Any] | None) -> C:
+        """The connector's settings from ``kv_connector_extra_config``."""
+
+    @abc.abstractmethod
+    def _build_scheduler(
+        self, config: C, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> S: ...
+
+    @abc.abstractmethod
+    def _build_worker(
+        self, config: C, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> W: ...
 
     @property
     def scheduler(self) -> S:

@@ -6,15 +6,15 @@ The scheduler-role instance owns a :class:`PDScheduler`, the worker-role instanc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
-    KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .base_connector import DelegatingConnector
+from .base_connector import DelegatingConnector, num_kv_heads
 from .config import PDConfig
 from .metadata import PDConnectorMetadata
 from .scheduler import PDScheduler
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker]):
+class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker, PDConfig]):
     """Prefill → decode KV transfer over mooncake-connectors' transfer engine (decode pulls, or
     the prefill pushes layer by layer when the proxy runs both legs at once)."""
 
@@ -37,26 +37,25 @@ class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker]):
     STATS = PDStats
     PROM = PDPromMetrics
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        ktc = self._kv_transfer_config  # the base class checked it is set
-        config = PDConfig.from_extra_config(ktc.kv_connector_extra_config)
-        engine_id = str(ktc.engine_id)
-        self._scheduler: PDScheduler | None = None
-        self._worker: PDWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PDScheduler(config, vllm_config, engine_id)
-        else:
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-            self._worker = PDWorker(
-                config,
-                vllm_config,
-                engine_id,
-                kv_cache_config.num_blocks,
-                int(getattr(spec, "num_kv_heads", 0) or 0),
-            )
+    @classmethod
+    def _parse_config(cls, extra: Mapping[str, Any] | None) -> PDConfig:
+        return PDConfig.from_extra_config(extra)
+
+    def _build_scheduler(
+        self, config: PDConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> PDScheduler:
+        return PDScheduler(config, vllm_config, str(self._kv_transfer_config.engine_id))
+
+    def _build_worker(
+        self, config: PDConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> PDWorker:
+        return PDWorker(
+            config,
+            vllm_config,
+            str(self._kv_transfer_config.engine_id),
+            kv_cache_config.num_blocks,
+            num_kv_heads(kv_cache_config),
+        )
 
     # -- scheduler side ----------------------------------------------------------------------
     def set_xfer_handshake_metadata(
@@ -70,9 +69,6 @@ class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker]):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self._worker is None else self._worker.handshake()
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before vLLM schedules the request (asynchronous loading)
 
     def save_kv_layer(
         self,

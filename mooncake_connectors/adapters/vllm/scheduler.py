@@ -18,7 +18,7 @@ request's blocks are complete after that step's forward, so they write each laye
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...errors import ProtocolError
 from ...pd import params as pdp
@@ -44,20 +44,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _pull(params: dict[str, Any] | None, request_id: str, warn: bool) -> PullParams | None:
-    """The request's pull params; None when they are not ours (it then simply recomputes).
-    ``warn``: say why, once per request (its params are read more than once)."""
-    try:
-        return pdp.decode(params, PullParams)
-    except ProtocolError as exc:
-        if warn:
-            log.warning("request %s: %s; computing the prompt", request_id, exc)
-        return None
+_P = TypeVar("_P", PullParams, PushParams)
 
 
-def _push(params: dict[str, Any] | None, request_id: str, warn: bool) -> PushParams | None:
+def _decode(
+    params: dict[str, Any] | None, kind: type[_P], request_id: str, warn: bool
+) -> _P | None:
+    """The request's pull or push params; None when they are not ours (it then simply
+    recomputes). ``warn``: say why, once per request (its params are read more than once)."""
     try:
-        return pdp.decode(params, PushParams)
+        return pdp.decode(params, kind)
     except ProtocolError as exc:
         if warn:
             log.warning("request %s: %s; computing the prompt", request_id, exc)
@@ -113,7 +109,7 @@ class PDScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def _loadable(self, request: Request) -> int:
-        remote = _pull(request.kv_transfer_params, request.request_id, warn=False)
+        remote = _decode(request.kv_transfer_params, PullParams, request.request_id, warn=False)
         if remote is None:
             return 0
         return loadable_tokens(
@@ -122,7 +118,7 @@ class PDScheduler:
 
     def _pushable_tokens(self, request: Request) -> int:
         """Prompt tokens a push will deliver (0: this request computes its prompt itself)."""
-        remote = _push(request.kv_transfer_params, request.request_id, warn=True)
+        remote = _decode(request.kv_transfer_params, PushParams, request.request_id, warn=True)
         prompt = request.prompt_token_ids
         if remote is None:
             return 0
@@ -159,7 +155,7 @@ class PDScheduler:
         pdp.release(params)  # one transfer per request, even if rescheduled
         n = self._matched.pop(rid, 0)
         if pdp.is_push(params):
-            pushed = _push(params, rid, warn=False)
+            pushed = _decode(params, PushParams, rid, warn=False)
             if pushed is not None:
                 self._push_recv.append(
                     push_recv_spec(
@@ -173,7 +169,7 @@ class PDScheduler:
                     )
                 )
             return
-        remote = _pull(params, rid, warn=True)
+        remote = _decode(params, PullParams, rid, warn=True)
         if remote is not None:
             block_ids = _block_ids(blocks, num_external_tokens)
             self._recv.append(
@@ -244,11 +240,11 @@ class PDScheduler:
             # blocks now instead of at the end of their lease.
             pdp.release(params)
             if pdp.is_push(params):
-                pushed = _push(params, rid, warn=False)
+                pushed = _decode(params, PushParams, rid, warn=False)
                 if pushed is not None:
                     self._push_recv.append(PushRecvSpec(rid, [], 0, 0, "", pushed))
             else:
-                remote = _pull(params, rid, warn=False)
+                remote = _decode(params, PullParams, rid, warn=False)
                 if remote is not None:
                     self._recv.append(RecvSpec(rid, [], [], remote))
             return False, None

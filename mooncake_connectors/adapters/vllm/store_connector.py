@@ -8,13 +8,13 @@ converts vLLM's arguments and forwards.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...cpu_amx import enable_amx_tiles
-from .base_connector import DelegatingConnector
+from .base_connector import DelegatingConnector, num_kv_heads
 from .stats import StorePromMetrics, StoreStats
 from .store_config import StoreConnectorConfig
 from .store_scheduler import StoreConnectorMetadata, StoreScheduler, block_keys
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class MooncakeConnectorsStore(DelegatingConnector[StoreScheduler, StoreWorker]):
+class MooncakeConnectorsStore(
+    DelegatingConnector[StoreScheduler, StoreWorker, StoreConnectorConfig]
+):
     """Prefix-hash KV reuse across vLLM instances through mooncake-connectors' store.
 
     Saves happen from the finished blocks (``request_finished``), not layer by layer."""
@@ -37,32 +39,29 @@ class MooncakeConnectorsStore(DelegatingConnector[StoreScheduler, StoreWorker]):
     STATS = StoreStats
     PROM = StorePromMetrics
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        ktc = self._kv_transfer_config  # the base class checked it is set
-        config = StoreConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
-        self._scheduler: StoreScheduler | None = None
-        self._worker: StoreWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = StoreScheduler(
-                config,
-                vllm_config,
-                kv_cache_config,
-                load=bool(ktc.is_kv_consumer),
-                save=bool(ktc.is_kv_producer),
-            )
-        else:
-            keys, layers = block_keys(config, vllm_config, kv_cache_config)
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-            self._worker = StoreWorker(
-                config,
-                keys,
-                layers,
-                kv_cache_config.num_blocks,
-                int(getattr(spec, "num_kv_heads", 0) or 0),
-            )
+    @classmethod
+    def _parse_config(cls, extra: Mapping[str, Any] | None) -> StoreConnectorConfig:
+        return StoreConnectorConfig.from_extra_config(extra)
+
+    def _build_scheduler(
+        self, config: StoreConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> StoreScheduler:
+        ktc = self._kv_transfer_config
+        return StoreScheduler(
+            config,
+            vllm_config,
+            kv_cache_config,
+            load=bool(ktc.is_kv_consumer),
+            save=bool(ktc.is_kv_producer),
+        )
+
+    def _build_worker(
+        self, config: StoreConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> StoreWorker:
+        keys, layers = block_keys(config, vllm_config, kv_cache_config)
+        return StoreWorker(
+            config, keys, layers, kv_cache_config.num_blocks, num_kv_heads(kv_cache_config)
+        )
 
     # -- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -310,18 +310,11 @@ def _check(status: int, data: bytes, url: str, ok: tuple[int, ...] = (200,)) -> 
         )
 
 
-class HttpMetadata(MetadataBackend):
-    scheme = "http"
+class HttpMetadata(HttpClient, MetadataBackend):
+    """The metadata backend served by :class:`MetadataHTTPServer`: a client of its endpoint
+    (its constructor and :meth:`close` are the client's)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        timeout: float = 5.0,
-        token: str | None = None,
-        tls: TlsConfig | None = None,
-    ) -> None:
-        self.client = HttpClient(url, timeout=timeout, token=token, tls=tls)
+    scheme = "http"
 
     @classmethod
     def from_url(cls, url: str, config: EngineConfig | None = None) -> HttpMetadata:
@@ -330,31 +323,28 @@ class HttpMetadata(MetadataBackend):
         return cls(url, timeout=config.connect_timeout, token=config.auth_token, tls=config.tls)
 
     def put(self, key: str, value: bytes) -> None:
-        status, data = self.client.request("PUT", {"key": key}, bytes(value))
-        _check(status, data, self.client.url)
+        status, data = self.request("PUT", {"key": key}, bytes(value))
+        _check(status, data, self.url)
 
     def get(self, key: str) -> bytes | None:
-        status, data = self.client.request("GET", {"key": key})
+        status, data = self.request("GET", {"key": key})
         if status == 404:
             return None
-        _check(status, data, self.client.url)
+        _check(status, data, self.url)
         return data
 
     def delete(self, key: str) -> bool:
-        status, data = self.client.request("DELETE", {"key": key})
-        _check(status, data, self.client.url, ok=(200, 404))
+        status, data = self.request("DELETE", {"key": key})
+        _check(status, data, self.url, ok=(200, 404))
         return status == 200
 
     def list(self, prefix: str) -> dict[str, bytes]:
-        status, data = self.client.request("GET", {"prefix": prefix})
-        _check(status, data, self.client.url)
+        status, data = self.request("GET", {"prefix": prefix})
+        _check(status, data, self.url)
         try:
             return _list_codec.decode(data)
         except msgspec.DecodeError as exc:
-            raise MetadataError(f"bad listing from {self.client.url}: {exc}") from exc
-
-    def close(self) -> None:
-        self.client.close()
+            raise MetadataError(f"bad listing from {self.url}: {exc}") from exc
 
 
 @hookimpl

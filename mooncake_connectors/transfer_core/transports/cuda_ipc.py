@@ -65,14 +65,14 @@ class CudaIpcTransport(Transport):
             queue.SimpleQueue()
         )
         self._waiter: threading.Thread | None = None
-        self._epoch: EpochPage | None = None
+        self._epoch = EpochPage("mooncake-connectors-cuda-epoch")
         self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> dict[str, str]:
-        self._epoch = EpochPage("mooncake-connectors-cuda-epoch")
+        where = self._epoch.open()
         self.local_changed(self.ctx.local.epoch)
-        return {"cuda_ipc": self._epoch.where()}
+        return {"cuda_ipc": where}
 
     def _drv(self) -> CudaDriver:
         return cuda_driver.driver()
@@ -126,7 +126,7 @@ class CudaIpcTransport(Transport):
         return out
 
     def local_changed(self, epoch: int) -> None:
-        if self._epoch is not None and not self._closed:
+        if not self._closed:
             self._epoch.write(epoch)
         live = {(r.addr, r.length) for r in self.ctx.local.regions()}
         for key in [k for k in self._exports if k not in live]:
@@ -347,8 +347,7 @@ class CudaIpcTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self._epoch is not None:
-            self._epoch.mark_closed()
+        self._epoch.mark_closed()
         if self._waiter is not None:
             self._pending.put(None)
             self._waiter.join(timeout=5)
@@ -368,9 +367,7 @@ class CudaIpcTransport(Transport):
                     self._drv().host_unregister(addr)
                 except GpuError as exc:
                     log.warning("cuda_ipc: unpinning %#x failed: %s", addr, exc)
-        if self._epoch is not None:
-            self._epoch.release()
-            self._epoch = None
+        self._epoch.release()
 
 
 @hookimpl

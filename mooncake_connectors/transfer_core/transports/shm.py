@@ -120,17 +120,26 @@ def peer_epoch(page: _Mapping, transport: str) -> int:
 class EpochPage:
     """This process's epoch page for one transport: a one-page memfd holding the local segment's
     epoch. Peers map it and read it before a batch, so a changed or closed segment is noticed
-    without asking the metadata service."""
+    without asking the metadata service. Made when its transport starts (:meth:`open`); before
+    that and after :meth:`release` writing to it does nothing."""
 
     def __init__(self, name: str) -> None:
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.name = name
+        self.fd = -1
+        self.inode = 0
+        self._map: mmap.mmap | None = None
+
+    def open(self) -> str:
+        """Make the page; how a peer finds it (:meth:`where`)."""
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, mmap.PAGESIZE)
-            self._map: mmap.mmap | None = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+            self._map = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
         except OSError:
             os.close(self.fd)
             raise
         self.inode = os.fstat(self.fd).st_ino
+        return self.where()
 
     def where(self) -> str:
         """How a peer finds the page: ``pid:fd:inode``."""
@@ -164,17 +173,17 @@ class ShmTransport(Transport):
         )
         self._pidfds: dict[int, int] = {}  # peer pid -> pidfd
         self._workers: list[threading.Thread] = []
-        self._epoch: EpochPage | None = None
+        self._epoch = EpochPage("mooncake-connectors-epoch")
         self._closed = False
 
     def start(self) -> dict[str, str]:
-        self._epoch = EpochPage("mooncake-connectors-epoch")
+        where = self._epoch.open()
         self.local_changed(self.ctx.local.epoch)
         for i in range(max(1, min(4, os.cpu_count() or 1))):
             t = threading.Thread(target=self._work, name=f"mc-shm-{i}", daemon=True)
             t.start()
             self._workers.append(t)
-        return {"shm": self._epoch.where()}
+        return {"shm": where}
 
     def describe_region(self, region: Region) -> Mapping[str, object]:
         if region.memfd < 0:
@@ -186,7 +195,7 @@ class ShmTransport(Transport):
         }
 
     def local_changed(self, epoch: int) -> None:
-        if self._epoch is not None and not self._closed:
+        if not self._closed:
             self._epoch.write(epoch)
 
     # -- reachability -----------------------------------------------------------------------
@@ -335,8 +344,7 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
-        if self._epoch is not None:
-            self._epoch.mark_closed()
+        self._epoch.mark_closed()
         for _ in self._workers:
             self._q.put(None)
         for t in self._workers:
@@ -349,9 +357,7 @@ class ShmTransport(Transport):
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
-        if self._epoch is not None:
-            self._epoch.release()
-            self._epoch = None
+        self._epoch.release()
 
 
 @hookimpl

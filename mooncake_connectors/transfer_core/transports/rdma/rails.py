@@ -11,6 +11,7 @@ ERR): every request behind it moves to another rail, and the rail cools down.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -61,23 +62,19 @@ class Work:
         self.slice.complete(err)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class WR:
     """One RDMA READ or WRITE of at most the rdma slice size."""
 
-    __slots__ = ("laddr", "length", "mr", "posted_at", "raddr", "rkeys", "tried", "work", "wr_id")
-
-    def __init__(
-        self, work: Work, laddr: int, raddr: int, length: int, mr: LocalMr, rkeys: dict[str, int]
-    ) -> None:
-        self.work = work
-        self.laddr = laddr
-        self.raddr = raddr
-        self.length = length
-        self.mr = mr
-        self.rkeys = rkeys
-        self.tried: set[int] = set()  # ids of the rails this request was posted on
-        self.wr_id = 0
-        self.posted_at = 0.0
+    work: Work
+    laddr: int
+    raddr: int
+    length: int
+    mr: LocalMr
+    rkeys: dict[str, int]
+    tried: set[int] = dataclasses.field(default_factory=set)  # rails it was posted on (ids)
+    wr_id: int = 0
+    posted_at: float = 0.0
 
     def end(self, err: MooncakeConnectorsError | None) -> None:
         self.mr.release()
