@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from .errors import ConfigError
 from .tls import TlsConfig
@@ -120,8 +120,33 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class CredentialArgs(TypedDict):
+    auth_token: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    tls_ca: str | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Credentials:
+    """A shared secret and TLS files, as the engine and each adapter's settings take them.
+
+    The token is left out of ``repr``: settings get logged and printed in tracebacks, secrets
+    must not be.
+    """
+
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def credentials(self) -> CredentialArgs:
+        """The four as keyword arguments (``engine_config(**c.credentials())``)."""
+        return cast(CredentialArgs, {f: getattr(self, f) for f in CredentialArgs.__annotations__})
+
+
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(Credentials):
     """Settings of one :class:`~mooncake_connectors.transfer_core.TransferEngine`.
 
     host: address the engine's listeners bind and advertise; loopback by default.
@@ -161,16 +186,12 @@ class EngineConfig:
     )
     tcp_lanes: int = 4
     slice_size: int = 8 * MIB
-    auth_token: str | None = None
     timeout: float = 30.0
     connect_timeout: float = 5.0
     frame_timeout: float = 10.0
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     metrics_port: int | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         check_host(self.host)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mooncake_connectors.config import EngineConfig, engine_config_from_env
@@ -52,3 +54,37 @@ def test_env_names_ours_then_mooncakes() -> None:
 def test_env_bad_number_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="MOONCAKE_CONNECTORS_TCP_LANES"):
         engine_config_from_env({"MOONCAKE_CONNECTORS_TCP_LANES": "many"})
+
+
+def test_no_settings_repr_shows_the_token(tmp_path: Path) -> None:
+    """Settings get logged and printed in tracebacks (pytest prints fixtures' reprs)."""
+    from mooncake_connectors.adapters.lmcache.config import PluginConfig
+    from mooncake_connectors.adapters.sglang.config import HiCacheStoreConfig
+    from mooncake_connectors.adapters.vllm.config import PDConfig
+    from mooncake_connectors.adapters.vllm.store_config import StoreConnectorConfig
+    from mooncake_connectors.store.config import ClientConfig, MasterConfig, ServerConfig
+
+    secret = "s3cret-token-value"
+    need = {"master": "127.0.0.1:50051"}
+    made = [
+        EngineConfig(auth_token=secret),
+        PDConfig(auth_token=secret),
+        StoreConnectorConfig(auth_token=secret),
+        PluginConfig(auth_token=secret, **need),
+        HiCacheStoreConfig(auth_token=secret, **need),
+        ClientConfig(auth_token=secret),
+        MasterConfig(auth_token=secret),
+        ServerConfig(auth_token=secret),
+    ]
+    for cfg in made:
+        assert cfg.auth_token == secret and secret not in repr(cfg), type(cfg).__name__
+    # The adapters pass the same four settings on to the engine or the store client.
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")  # only its existence is checked here
+    pd = PDConfig(auth_token=secret, tls_ca=str(ca))
+    assert pd.credentials() == {
+        "auth_token": secret,
+        "tls_cert": None,
+        "tls_key": None,
+        "tls_ca": str(ca),
+    }

@@ -111,7 +111,7 @@ class MasterConfig:
     frame_timeout: float = 10.0
     key_budget: int = 2048 * MIB
     promote_hits: int = 1
-    auth_token: str | None = None
+    auth_token: str | None = dataclasses.field(default=None, repr=False)  # never logged
     tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
@@ -184,7 +184,7 @@ class ServerConfig:
     metadata: str | None = None
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     rpc_timeout: float = 5.0
-    auth_token: str | None = None
+    auth_token: str | None = dataclasses.field(default=None, repr=False)  # never logged
     tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
@@ -236,7 +236,7 @@ class ClientConfig:
     timeout: float = 20.0
     rpc_timeout: float = 5.0
     replica_timeout: float = 1.0
-    auth_token: str | None = None
+    auth_token: str | None = dataclasses.field(default=None, repr=False)  # never logged
     tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...config import DEFAULT_TRANSPORTS, KIB, MIB, check_host
+from ...config import DEFAULT_TRANSPORTS, KIB, MIB, Credentials, check_host
 from ...errors import ConfigError
 from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import DEFAULT_MASTER_PORT, MAX_REPLICAS, ClientConfig, check_master_address
@@ -51,7 +51,7 @@ class Layout(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class PluginConfig:
+class PluginConfig(Credentials):
     """One plugin instance's settings.
 
     master: the store's master, ``HOST:PORT`` or ``etcd://HOST:PORT[,…]/PREFIX``.
@@ -84,10 +84,6 @@ class PluginConfig:
     global_segment_size: int = 0
     key_prefix: str = "lmcache/"
     list_limit: int = 100_000
-    auth_token: str | None = dataclasses.field(default=None, repr=False)
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -122,10 +118,7 @@ class PluginConfig:
             global_segment_size=self.global_segment_size,
             local_buffer_size=self.local_buffer_size,
             timeout=self.timeout,
-            auth_token=self.auth_token,
-            tls_cert=self.tls_cert,
-            tls_key=self.tls_key,
-            tls_ca=self.tls_ca,
+            **self.credentials(),
         )
 
 

@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...config import DEFAULT_TRANSPORTS, MIB, check_host
+from ...config import DEFAULT_TRANSPORTS, MIB, Credentials, check_host
 from ...errors import ConfigError
 from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import MAX_REPLICAS, ClientConfig, check_master_address
@@ -64,7 +64,7 @@ MOONCAKE_IGNORED = frozenset(
 
 
 @dataclasses.dataclass(frozen=True)
-class HiCacheStoreConfig:
+class HiCacheStoreConfig(Credentials):
     """The backend's settings (one instance per SGLang rank).
 
     master: the store master, ``HOST:PORT`` or ``etcd://HOST:PORT/PREFIX`` (required).
@@ -109,10 +109,6 @@ class HiCacheStoreConfig:
     model: str | None = None
     allow_clear: bool = True
     log_interval: float = 30.0
-    auth_token: str | None = dataclasses.field(default=None, repr=False)
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         check_master_address(self.master)
@@ -152,10 +148,7 @@ class HiCacheStoreConfig:
             local_buffer_size=self.local_buffer_size,
             timeout=self.timeout,
             rpc_timeout=self.rpc_timeout,
-            auth_token=self.auth_token,
-            tls_cert=self.tls_cert,
-            tls_key=self.tls_key,
-            tls_ca=self.tls_ca,
+            **self.credentials(),
         )
 
 

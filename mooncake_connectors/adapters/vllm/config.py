@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ...config import DEFAULT_TRANSPORTS, EngineConfig
+from ...config import DEFAULT_TRANSPORTS, Credentials, EngineConfig
 from ...errors import ConfigError
 from ...extra_config import TLS_KEYS, Key, Kind, Schema, engine_config
 
@@ -61,7 +61,7 @@ SCHEMA = Schema(CONNECTOR_NAME, PD_KEYS, label=lambda key: f"kv_connector_extra_
 
 
 @dataclasses.dataclass(frozen=True)
-class PDConfig:
+class PDConfig(Credentials):
     """Validated settings of :class:`MooncakeConnectorsPD` (see :data:`PD_KEYS`)."""
 
     host: str = "127.0.0.1"
@@ -69,15 +69,11 @@ class PDConfig:
     metadata: str = "p2p"
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     tcp_lanes: int = 4
-    auth_token: str | None = None
     transfer_timeout: float = 20.0
     handshake_timeout: float = 5.0
     kv_lease: float = 120.0
     metrics_port: int | None = None
     accept_push: bool = False
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not self.host or any(c.isspace() for c in self.host):
@@ -112,9 +108,6 @@ class PDConfig:
             timeout=self.transfer_timeout,
             connect_timeout=min(self.handshake_timeout, 5.0),
             tcp_lanes=self.tcp_lanes,
-            auth_token=self.auth_token,
             metrics_port=self.metrics_port,
-            tls_cert=self.tls_cert,
-            tls_key=self.tls_key,
-            tls_ca=self.tls_ca,
+            **self.credentials(),
         )

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ...config import DEFAULT_TRANSPORTS
+from ...config import DEFAULT_TRANSPORTS, Credentials
 from ...errors import ConfigError
 from ...extra_config import TLS_KEYS, Key, Kind, Schema, client_config
 from ...store.config import ClientConfig
@@ -73,7 +73,7 @@ SCHEMA = Schema(
 
 
 @dataclasses.dataclass(frozen=True)
-class StoreConnectorConfig:
+class StoreConnectorConfig(Credentials):
     """Validated settings of ``MooncakeConnectorsStore`` (see :data:`STORE_KEYS`)."""
 
     master: str = "127.0.0.1:50051"
@@ -87,10 +87,6 @@ class StoreConnectorConfig:
     cooldown: float = 5.0
     replicas: int = 1
     load_async: bool = False
-    auth_token: str | None = dataclasses.field(default=None, repr=False)
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("timeout", "lookup_timeout", "cooldown"):
@@ -121,8 +117,5 @@ class StoreConnectorConfig:
             transports=self.transports,
             timeout=timeout,
             local_buffer_size=1 << 20,  # KV moves zero-copy from vLLM's registered blocks
-            auth_token=self.auth_token,
-            tls_cert=self.tls_cert,
-            tls_key=self.tls_key,
-            tls_ca=self.tls_ca,
+            **self.credentials(),
         )
