@@ -809,10 +809,60 @@ class TransferEngine:
     # -- sync helpers -----------------------------------------------------------------------
     def transfer(self, requests: Sequence[TransferRequest], timeout: float | None = None) -> None:
         """Submit, wait, and raise the first error."""
+        if len(requests) == 1 and self._transfer_one(requests[0], timeout):
+            return
         batch = self.submit(requests, timeout, _inline=True)
         if batch._pending:
             batch.wait()
         batch.raise_for_status()
+
+    def _transfer_one(self, req: TransferRequest, timeout: float | None) -> bool:
+        """``transfer`` of one request that fits one slice, to a peer already known, over a
+        transport that runs it from this thread (``Transport.run_inline``): no Batch and no
+        completion callbacks while all goes well. False, having done nothing, for any other
+        request. An attempt that fails goes on as a submitted slice's failed first attempt
+        does (retry, failover, cool-down), and a request refused by planning is reported as
+        ``submit`` reports it."""
+        if (
+            type(req.op) is not TransferOp
+            or type(req.length) is not int
+            or not 0 < req.length <= self.config.slice_size
+            or req.target not in self._peers  # (a first lookup takes the general path)
+            or not self._started
+            or self._closed
+        ):
+            return False
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
+        try:
+            peer, region, transport, lanes, local = self._plan(req, deadline)
+        except MooncakeConnectorsError as exc:
+            Batch((req,), deadline)._fail(0, exc)  # counted as ``submit`` counts it
+            raise
+        if not transport.runs_inline or local is None or local.device >= 0:
+            return False
+        s = _Slice(req.op, req.local_addr, req.remote_addr, req.length, deadline, self._on_slice)
+        s.index, s.peer, s.region, s.transport = 0, peer, region, transport
+        s.local_mv = local.slice(req.local_addr, req.length)
+        s.lane = lanes[next(self._rr) % len(lanes)]
+        s.tried = None
+        err = transport.run_inline(peer, s)
+        if err is None:
+            if self.health.any_recorded():
+                self.health.succeeded(s.key)
+            op = req.op._name_
+            metrics.moved(transport.name, op, req.length)
+            metrics.finished(op, "COMPLETED", time.perf_counter() - t0)
+            return True
+        batch = Batch((req,), deadline)
+        batch._t0 = t0
+        batch._left[0] = 1
+        s.batch = batch
+        self._on_slice(s, err)
+        if batch._pending:
+            batch.wait()
+        batch.raise_for_status()
+        return True
 
     def read(
         self,

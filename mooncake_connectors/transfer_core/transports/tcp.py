@@ -141,6 +141,13 @@ def open_connection(
     return sock
 
 
+def _tls_refused(peer: SegmentDesc) -> AuthenticationError:
+    return AuthenticationError(
+        "peer requires TLS and no TLS is configured here (tls_cert/tls_key/tls_ca)",
+        peer=peer.name,
+    )
+
+
 def _setup_error(
     what: str, exc: OSError, deadline: float | None, peer: str, path: str
 ) -> MooncakeConnectorsError:
@@ -462,10 +469,7 @@ class TcpTransport(Transport):
                 return
         addr = peer.endpoints["tcp"]
         if TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None:
-            refused = AuthenticationError(
-                "peer requires TLS and no TLS is configured here (tls_cert/tls_key/tls_ca)",
-                peer=peer.name,
-            )
+            refused = _tls_refused(peer)
             for s in slices:
                 s.complete(refused)
             return
@@ -507,10 +511,24 @@ class TcpTransport(Transport):
                     self._lanes[key] = lane
         return lane
 
-    def _run_direct(self, peer: SegmentDesc, addr: str, slices: Sequence[Slice]) -> None:
+    runs_inline = True
+
+    def run_inline(self, peer: SegmentDesc, s: Slice) -> MooncakeConnectorsError | None:
+        if TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None:
+            return _tls_refused(peer)
+        if self._closed:
+            return TransportClosed("tcp transport closed", peer=peer.name)
+        return self._run_direct(peer, peer.endpoints["tcp"], (s,), report=False)
+
+    def _run_direct(
+        self, peer: SegmentDesc, addr: str, slices: Sequence[Slice], report: bool = True
+    ) -> MooncakeConnectorsError | None:
         """The caller waits anyway: drive a pooled connection from its thread, as a plain
         request/response socket loop would, with no thread handoff. Socket timeouts follow the
-        earliest deadline, so this returns by then (plus one syscall) at the latest."""
+        earliest deadline, so this returns by then (plus one syscall) at the latest.
+
+        Each slice's outcome goes to its ``complete``; with ``report`` False (one slice) it is
+        returned instead."""
         key = (peer.name, addr)
         # an engine's batch shares one deadline; a retried slice comes alone
         deadline = slices[0].deadline if len(slices) == 1 else min(s.deadline for s in slices)
@@ -522,13 +540,16 @@ class TcpTransport(Transport):
             try:
                 sock = open_connection(self.ctx, peer.name, addr, path, deadline)
             except MooncakeConnectorsError as exc:
+                if not report:
+                    return exc
                 for s in slices:
                     s.complete(exc)
-                return
+                return None
             conn = _Direct(sock, path)
         conn.deadline = deadline
         done = 0
         err: MooncakeConnectorsError | None = None
+        result: MooncakeConnectorsError | None = None
         sock = conn.sock
         try:
             for chunk in (slices,) if len(slices) == 1 else _chunks(slices):
@@ -546,7 +567,8 @@ class TcpTransport(Transport):
                         sock, conn.hdr, s, rid, peer.name, conn.path, conn.rebound
                     )
                     done += 1
-                    s.complete(result)
+                    if report:
+                        s.complete(result)
         except (TimeoutError, BlockingIOError):
             err = TransferTimeout(
                 "deadline passed on a direct tcp connection", peer=peer.name, path=conn.path
@@ -557,15 +579,18 @@ class TcpTransport(Transport):
             err = exc
         if err is not None:
             sock.close()
+            if not report:
+                return err
             for s in slices[done:]:
                 s.complete(err)
-            return
+            return None
         with self._lock:
             pool = self._idle.setdefault(key, [])
             if self._closed or len(pool) >= _DIRECT_POOL:
                 sock.close()
             else:
                 pool.append(conn)
+        return result
 
     def _forget(self, lane: _Lane) -> None:
         with self._lock:
