@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 _WAITALL = socket.MSG_WAITALL
 _RESP_SIZE = wire.RESP.size
+_REQ = wire.REQ
+_REQ_SIZE = wire.REQ.size
 _COALESCE = 64  # most requests one sendmsg carries
 _INLINE_PAYLOAD = 256 * 1024  # WRITE bytes an async submit may send from the caller's thread
 _DIRECT_CHUNK = 512  # requests sent before their answers are read, on a direct connection
@@ -376,6 +378,36 @@ class _Direct:
         self.bound(left)
 
 
+def _exchange_one(conn: _Direct, s: Slice, peer: str) -> MooncakeConnectorsError | None:
+    """One slice on a direct connection: what ``frame`` and the chunk loop of ``_run_direct``
+    do, without their lists (the common synchronous request)."""
+    sock = conn.sock
+    s.path = conn.path
+    conn.bound(conn.deadline - time.monotonic())
+    rid = next(conn.ids)
+    if s.op is TransferOp.WRITE:
+        head = _REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, s.remote_addr, s.length)
+        payload = s.local_view()
+        sent = sock.sendmsg((head, payload))
+        if sent != _REQ_SIZE + s.length:
+            rest: list[memoryview | bytes] = (
+                [head[sent:], payload] if sent < _REQ_SIZE else [payload[sent - _REQ_SIZE :]]
+            )
+            conn.rebound()
+            wire.sendmsg_all(sock, rest, conn.rebound)
+    else:
+        head = _REQ.pack(wire.REQ_MAGIC, wire.OP_READ, 0, 0, rid, s.remote_addr, s.length)
+        sent = sock.send(head)
+        if sent != _REQ_SIZE:
+            conn.rebound()
+            wire.sendmsg_all(sock, [memoryview(head)[sent:]], conn.rebound)
+    conn.rebound()  # the wait gets what is left of the deadline, no more
+    k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
+    if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
+        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
+    return finish_response(sock, conn.hdr, s, rid, peer, conn.path, conn.rebound)
+
+
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
     """Bound each blocking send/recv by the kernel (SO_RCVTIMEO/SO_SNDTIMEO). Python's own
     ``settimeout`` would switch the socket to non-blocking mode plus poll() before every call,
@@ -552,23 +584,29 @@ class TcpTransport(Transport):
         result: MooncakeConnectorsError | None = None
         sock = conn.sock
         try:
-            for chunk in (slices,) if len(slices) == 1 else _chunks(slices):
-                for s in chunk:
-                    s.path = conn.path
-                conn.bound(deadline - time.monotonic())
-                bufs, rids = frame(chunk, conn.ids)
-                wire.sendmsg_all(sock, bufs, conn.rebound)
-                for s, rid in zip(chunk, rids, strict=True):
-                    conn.rebound()  # each wait gets what is left of the deadline, no more
-                    k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
-                    if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
-                        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
-                    result = finish_response(
-                        sock, conn.hdr, s, rid, peer.name, conn.path, conn.rebound
-                    )
-                    done += 1
-                    if report:
-                        s.complete(result)
+            if len(slices) == 1:
+                result = _exchange_one(conn, slices[0], peer.name)
+                done = 1
+                if report:
+                    slices[0].complete(result)
+            else:
+                for chunk in _chunks(slices):
+                    for s in chunk:
+                        s.path = conn.path
+                    conn.bound(deadline - time.monotonic())
+                    bufs, rids = frame(chunk, conn.ids)
+                    wire.sendmsg_all(sock, bufs, conn.rebound)
+                    for s, rid in zip(chunk, rids, strict=True):
+                        conn.rebound()  # each wait gets what is left of the deadline, no more
+                        k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
+                        if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: raises)
+                            wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
+                        result = finish_response(
+                            sock, conn.hdr, s, rid, peer.name, conn.path, conn.rebound
+                        )
+                        done += 1
+                        if report:
+                            s.complete(result)
         except (TimeoutError, BlockingIOError):
             err = TransferTimeout(
                 "deadline passed on a direct tcp connection", peer=peer.name, path=conn.path
