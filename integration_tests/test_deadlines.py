@@ -159,3 +159,39 @@ def test_a_peer_stopped_mid_read_costs_the_deadline_not_a_timeout_per_wait(
         if peer.stopped():
             peer.signal(signal.SIGCONT)
         peer.close()
+
+
+def test_a_peer_stopped_mid_write_of_one_slice_costs_the_deadline(
+    meta: MetadataHTTPServer,
+) -> None:
+    """A single-slice WRITE (sent from the caller's thread in one sendmsg) to a peer stopped
+    while its payload streams: the send and the wait for the answer share the deadline."""
+    peer = Peer(metadata=meta.url, transports=["tcp"])
+    size = 128 * MiB
+    try:
+        remote = peer.call("alloc", kind="numpy", size=size)["addr"]
+        cfg = EngineConfig(metadata=meta.url, transports=("tcp",), slice_size=size)
+        with TransferEngine(cfg) as e:
+            src = e.allocate_buffer(size)
+            t0 = time.monotonic()
+            e.write(peer.segment, src.addr, remote, size, timeout=60)
+            full = time.monotonic() - t0
+            timed_out = []
+            for share in (0.2, 0.5):  # where in the stream the peer stops
+                stop = threading.Timer(full * share, os.kill, (peer.pid, signal.SIGSTOP))
+                stop.start()
+                t0 = time.monotonic()
+                try:
+                    e.write(peer.segment, src.addr, remote, size, timeout=3.0)
+                except TransferTimeout:
+                    timed_out.append(time.monotonic() - t0)
+                stop.join()
+                peer.signal(signal.SIGSTOP)  # (to be sure it is stopped before it continues)
+                peer.signal(signal.SIGCONT)
+            if not timed_out:
+                pytest.skip("every write finished before the peer stopped (a very fast machine)")
+            assert max(timed_out) < 3.0 + MARGIN, timed_out
+    finally:
+        if peer.stopped():
+            peer.signal(signal.SIGCONT)
+        peer.close()

@@ -129,6 +129,28 @@ def test_broken_connections_fail_over_to_other_lanes(meta: MetadataHTTPServer) -
         peer.close()
 
 
+def test_a_sync_read_on_a_dropped_pooled_connection_is_retried(meta: MetadataHTTPServer) -> None:
+    """A caller's own read runs on a pooled connection from its thread; when the peer dropped
+    that connection meanwhile, the failed attempt moves to another path and the read succeeds."""
+    peer = Peer(metadata=meta.url, transports=["tcp"])
+    e = engine(meta.url, transports=("tcp",), timeout=10, backoff_initial=0.01)
+    try:
+        remote = peer.call("alloc", kind="numpy", size=MiB, seed=5)["addr"]
+        buf = e.allocate_buffer(MiB)
+        for attempt in range(3):
+            e.read(peer.segment, buf.addr, remote, MiB)  # leaves its connection in the pool
+            assert np.array_equal(buf.array, pattern(5, MiB))
+            peer.call("drop_connections")
+            buf.array[:] = 0
+            before = retries("tcp")
+            e.read(peer.segment, buf.addr, remote, MiB)
+            assert np.array_equal(buf.array, pattern(5, MiB)), attempt
+            assert retries("tcp") > before
+    finally:
+        e.close()
+        peer.close()
+
+
 def test_shm_path_failure_falls_back_to_tcp(meta: MetadataHTTPServer) -> None:
     peer = Peer(metadata=meta.url, transports=["shm", "tcp"])
     e = engine(meta.url, transports=("shm", "tcp"), timeout=10)

@@ -78,7 +78,10 @@ class TransferRequest(NamedTuple):
 def _with_ops(requests: Sequence[TransferRequest]) -> Sequence[TransferRequest]:
     """``requests`` with every op a TransferOp (a plain 0/1 becomes READ/WRITE: the data path
     compares ops by identity); an op that names no operation stays, for ``_plan`` to refuse."""
-    if all(type(r.op) is TransferOp for r in requests):
+    for r in requests:
+        if type(r.op) is not TransferOp:
+            break
+    else:
         return requests
     out = list(requests)
     for i, r in enumerate(out):
@@ -115,6 +118,7 @@ class Batch:
         self._errors: list[MooncakeConnectorsError | None] = [None] * n
         self._left = [0] * n
         self._pending = n
+        self._failed = 0  # requests finished with an error
         self._lock = threading.Lock()
         self._event: threading.Event | None = None  # made only if someone must block
         self._t0 = time.perf_counter()
@@ -125,10 +129,13 @@ class Batch:
         if self._status[i] is not TransferStatus.PENDING:
             return
         self._status[i] = status
-        self._errors[i] = err
+        if err is not None:
+            self._errors[i] = err
+            self._failed += 1
         op = self.requests[i].op
-        name = op.name if isinstance(op, TransferOp) else "INVALID"  # a request refused as such
-        metrics.finished(name, status.name, time.perf_counter() - self._t0)
+        # ``_name_``, not ``name``: the enum property costs more than the rest of this method
+        name = op._name_ if isinstance(op, TransferOp) else "INVALID"  # a request refused as such
+        metrics.finished(name, status._name_, time.perf_counter() - self._t0)
         self._pending -= 1
         if self._pending == 0 and self._event is not None:
             self._event.set()
@@ -182,6 +189,8 @@ class Batch:
 
     def raise_for_status(self) -> None:
         """Raise the first request's error (TransferTimeout if any is still pending)."""
+        if self._pending == 0 and self._failed == 0:  # the common case, without the lock
+            return
         with self._lock:
             for i, st in enumerate(self._status):
                 if st is TransferStatus.PENDING:
@@ -201,7 +210,7 @@ class _PeerView:
         self.desc = desc
         self.regions = sorted(desc.regions, key=lambda r: r.addr)
         self.starts = [r.addr for r in self.regions]
-        self.routes: dict[tuple[int, LocationKind], list[tuple[Transport, list[int]]]] = {}
+        self.routes: dict[tuple[int, str], list[tuple[Transport, list[int]]]] = {}
 
     def find(self, addr: int, length: int) -> RegionDesc | None:
         i = bisect.bisect_right(self.starts, addr) - 1
@@ -212,15 +221,19 @@ class _PeerView:
 
 
 class _Slice(Slice):
-    __slots__ = ("batch", "index", "key", "peer", "transport", "tried")
+    __slots__ = ("batch", "index", "peer", "transport", "tried")
 
     batch: Batch
     index: int
     peer: SegmentDesc
     region: RegionDesc  # set for every engine slice (Optional only on the base class)
     transport: Transport
-    key: tuple[str, str, int]
-    tried: set[tuple[str, int]]
+    tried: set[tuple[str, int]] | None  # (transport, lane) attempts; made at the first retry
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """The path this attempt takes (what PathHealth tracks)."""
+        return (self.peer.name, self.transport.name, self.lane)
 
 
 class TransferEngine:
@@ -567,9 +580,11 @@ class TransferEngine:
                     s.local_mv = local.slice(s.local_addr, s.length)
                 s.local_device = local.device
                 s.lane = lanes[(lane0 + k) % len(lanes)]
-                s.tried = {(transport.name, s.lane)}
-                s.key = (peer.name, transport.name, s.lane)
-                groups.setdefault((id(transport), peer.name), (transport, peer, []))[2].append(s)
+                s.tried = None
+                group = groups.get((id(transport), peer.name))
+                if group is None:
+                    group = groups[(id(transport), peer.name)] = (transport, peer, [])
+                group[2].append(s)
         for transport, peer, slices in groups.values():
             # A synchronous submission runs in this thread, bounded by kernel socket timeouts
             # or a plain memcpy; only slices that may sit in a queue need the watchdog (GPU
@@ -634,7 +649,7 @@ class TransferEngine:
                 )
         peer = pv.desc
         lkind = _CPU if local is None else local.kind
-        route_key = (region.addr, lkind)
+        route_key = (region.addr, lkind._value_)  # (Enum hashing runs Python code)
         routes = pv.routes.get(route_key)
         if routes is None:
             routes = [
@@ -668,8 +683,9 @@ class TransferEngine:
             if err is None or not self._retryable(s, err):
                 s._done = True
         if err is None:
-            self.health.succeeded(s.key)
-            metrics.moved(s.transport.name, s.op.name, s.length)
+            if self.health.any_recorded():
+                self.health.succeeded(s.key)
+            metrics.moved(s.transport.name, s.op._name_, s.length)
             s.batch._slice_done(s.index, None)
             return
         metrics.slice_failed(s.transport.name, type(err).__name__)
@@ -691,6 +707,9 @@ class TransferEngine:
     def _retry(self, s: _Slice, err: MooncakeConnectorsError) -> None:
         """Move ``s`` to another usable path, or wait for one to cool down, within its deadline."""
         now = time.monotonic()
+        if s.tried is None:
+            s.tried = {(s.transport.name, s.lane)}
+        tried_before = s.tried
         options: list[tuple[Transport, int]] = []
         lkind = _CUDA if s.local_device >= 0 else _CPU
         for t in self.transports:
@@ -699,7 +718,8 @@ class TransferEngine:
         fresh = [
             (t, ln)
             for t, ln in options
-            if (t.name, ln) not in s.tried and self.health.usable((s.peer.name, t.name, ln), now)
+            if (t.name, ln) not in tried_before
+            and self.health.usable((s.peer.name, t.name, ln), now)
         ]
         usable = fresh or [
             (t, ln) for t, ln in options if self.health.usable((s.peer.name, t.name, ln), now)
@@ -718,7 +738,7 @@ class TransferEngine:
                 return
         with self._watch_lock:
             s._done = True
-        tried = ", ".join(f"{t} lane {ln}" for t, ln in sorted(s.tried))
+        tried = ", ".join(f"{t} lane {ln}" for t, ln in sorted(tried_before))
         s.batch._slice_done(
             s.index,
             TransportBroken(
@@ -737,7 +757,8 @@ class TransferEngine:
         metrics.retried(t.name)
         log.debug("retrying %s slice to %s on %s lane %d", s.op.name, s.peer.name, t.name, lane)
         s.transport, s.lane = t, lane
-        s.key = (s.peer.name, t.name, lane)
+        if s.tried is None:
+            s.tried = set()
         s.tried.add((t.name, lane))
         s.attempts += 1
         self._watch_slices([s])  # a retried slice may wait on a lane: watch its deadline
@@ -788,9 +809,60 @@ class TransferEngine:
     # -- sync helpers -----------------------------------------------------------------------
     def transfer(self, requests: Sequence[TransferRequest], timeout: float | None = None) -> None:
         """Submit, wait, and raise the first error."""
+        if len(requests) == 1 and self._transfer_one(requests[0], timeout):
+            return
         batch = self.submit(requests, timeout, _inline=True)
-        batch.wait()
+        if batch._pending:
+            batch.wait()
         batch.raise_for_status()
+
+    def _transfer_one(self, req: TransferRequest, timeout: float | None) -> bool:
+        """``transfer`` of one request that fits one slice, to a peer already known, over a
+        transport that runs it from this thread (``Transport.run_inline``): no Batch and no
+        completion callbacks while all goes well. False, having done nothing, for any other
+        request. An attempt that fails goes on as a submitted slice's failed first attempt
+        does (retry, failover, cool-down), and a request refused by planning is reported as
+        ``submit`` reports it."""
+        if (
+            type(req.op) is not TransferOp
+            or type(req.length) is not int
+            or not 0 < req.length <= self.config.slice_size
+            or req.target not in self._peers  # (a first lookup takes the general path)
+            or not self._started
+            or self._closed
+        ):
+            return False
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
+        try:
+            peer, region, transport, lanes, local = self._plan(req, deadline)
+        except MooncakeConnectorsError as exc:
+            Batch((req,), deadline)._fail(0, exc)  # counted as ``submit`` counts it
+            raise
+        if not transport.runs_inline or local is None or local.device >= 0:
+            return False
+        s = _Slice(req.op, req.local_addr, req.remote_addr, req.length, deadline, self._on_slice)
+        s.index, s.peer, s.region, s.transport = 0, peer, region, transport
+        s.local_mv = local.slice(req.local_addr, req.length)
+        s.lane = lanes[next(self._rr) % len(lanes)]
+        s.tried = None
+        err = transport.run_inline(peer, s)
+        if err is None:
+            if self.health.any_recorded():
+                self.health.succeeded(s.key)
+            op = req.op._name_
+            metrics.moved(transport.name, op, req.length)
+            metrics.finished(op, "COMPLETED", time.perf_counter() - t0)
+            return True
+        batch = Batch((req,), deadline)
+        batch._t0 = t0
+        batch._left[0] = 1
+        s.batch = batch
+        self._on_slice(s, err)
+        if batch._pending:
+            batch.wait()
+        batch.raise_for_status()
+        return True
 
     def read(
         self,

@@ -20,6 +20,11 @@ class PathHealth:
         """False in the common case, letting the data path skip per-lane checks."""
         return bool(self._until)
 
+    def any_recorded(self) -> bool:
+        """False while no path has failed since it last recovered: ``succeeded`` has nothing
+        to do then."""
+        return bool(self._failures)
+
     def usable(self, key: tuple[str, str, int], now: float | None = None) -> bool:
         until = self._until.get(key)
         return until is None or (now if now is not None else time.monotonic()) >= until

@@ -176,6 +176,15 @@ class Transport(abc.ABC):
         wait for these slices anyway, so the transport may do the work in the calling thread.
         """
 
+    # True when ``run_inline`` is implemented
+    runs_inline: ClassVar[bool] = False
+
+    def run_inline(self, peer: SegmentDesc, s: Slice) -> MooncakeConnectorsError | None:
+        """Move one host-memory slice from the calling thread, which waits for it, and return
+        its outcome (None: done) instead of reporting it through ``s.complete``; bounded by
+        ``s.deadline``. Optional: the engine calls it only when ``runs_inline`` is set."""
+        raise NotImplementedError
+
     def local_changed(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Local registrations changed (register/unregister); ``epoch`` is the new generation."""
 

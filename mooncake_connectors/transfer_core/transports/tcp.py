@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 _WAITALL = socket.MSG_WAITALL
 _RESP_SIZE = wire.RESP.size
+_REQ = wire.REQ
+_REQ_SIZE = wire.REQ.size
 _COALESCE = 64  # most requests one sendmsg carries
 _INLINE_PAYLOAD = 256 * 1024  # WRITE bytes an async submit may send from the caller's thread
 _DIRECT_CHUNK = 512  # requests sent before their answers are read, on a direct connection
@@ -141,6 +143,13 @@ def open_connection(
     return sock
 
 
+def _tls_refused(peer: SegmentDesc) -> AuthenticationError:
+    return AuthenticationError(
+        "peer requires TLS and no TLS is configured here (tls_cert/tls_key/tls_ca)",
+        peer=peer.name,
+    )
+
+
 def _setup_error(
     what: str, exc: OSError, deadline: float | None, peer: str, path: str
 ) -> MooncakeConnectorsError:
@@ -187,7 +196,13 @@ def finish_response(
         if s.op is TransferOp.READ:
             if length != s.length:
                 raise ProtocolError("READ answered with a wrong length", peer=peer, path=path)
-            wire.recv_exact(sock, s.local_view(), progress)
+            view = s.local_view()
+            # Common case in one syscall; recv_exact only when the kernel splits it.
+            k = sock.recv_into(view, length, _WAITALL) if length else 0
+            if k != length:
+                if k and progress is not None:  # the next wait gets what is left, no more
+                    progress()
+                wire.recv_exact(sock, view[k:] if k else view, progress)
         return None
     if length > wire.MAX_ERROR_MESSAGE:
         raise ProtocolError("oversized error message", peer=peer, path=path)
@@ -363,6 +378,36 @@ class _Direct:
         self.bound(left)
 
 
+def _exchange_one(conn: _Direct, s: Slice, peer: str) -> MooncakeConnectorsError | None:
+    """One slice on a direct connection: what ``frame`` and the chunk loop of ``_run_direct``
+    do, without their lists (the common synchronous request)."""
+    sock = conn.sock
+    s.path = conn.path
+    conn.bound(conn.deadline - time.monotonic())
+    rid = next(conn.ids)
+    if s.op is TransferOp.WRITE:
+        head = _REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, s.remote_addr, s.length)
+        payload = s.local_view()
+        sent = sock.sendmsg((head, payload))
+        if sent != _REQ_SIZE + s.length:
+            rest: list[memoryview | bytes] = (
+                [head[sent:], payload] if sent < _REQ_SIZE else [payload[sent - _REQ_SIZE :]]
+            )
+            conn.rebound()
+            wire.sendmsg_all(sock, rest, conn.rebound)
+    else:
+        head = _REQ.pack(wire.REQ_MAGIC, wire.OP_READ, 0, 0, rid, s.remote_addr, s.length)
+        sent = sock.send(head)
+        if sent != _REQ_SIZE:
+            conn.rebound()
+            wire.sendmsg_all(sock, [memoryview(head)[sent:]], conn.rebound)
+    conn.rebound()  # the wait gets what is left of the deadline, no more
+    k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
+    if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
+        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
+    return finish_response(sock, conn.hdr, s, rid, peer, conn.path, conn.rebound)
+
+
 def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
     """Bound each blocking send/recv by the kernel (SO_RCVTIMEO/SO_SNDTIMEO). Python's own
     ``settimeout`` would switch the socket to non-blocking mode plus poll() before every call,
@@ -414,7 +459,7 @@ class TcpTransport(Transport):
         self._staged = StagedTcp(self, self._staging, self._lane_count)
         self._server: TcpServer | None = None
         self._lanes: dict[tuple[str, int], _Lane] = {}
-        self._idle: dict[str, list[_Direct]] = {}
+        self._idle: dict[tuple[str, str], list[_Direct]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -444,17 +489,19 @@ class TcpTransport(Transport):
     def submit(
         self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
     ) -> None:
-        if any(s.local_device >= 0 for s in slices):
+        # (the ends first: one attribute each, where a generator costs a microsecond)
+        if (
+            slices[0].local_device >= 0
+            or slices[-1].local_device >= 0
+            or (len(slices) > 2 and any(s.local_device >= 0 for s in slices))
+        ):
             self._staged.submit(peer, [s for s in slices if s.local_device >= 0])
             slices = [s for s in slices if s.local_device < 0]
             if not slices:
                 return
         addr = peer.endpoints["tcp"]
         if TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None:
-            refused = AuthenticationError(
-                "peer requires TLS and no TLS is configured here (tls_cert/tls_key/tls_ca)",
-                peer=peer.name,
-            )
+            refused = _tls_refused(peer)
             for s in slices:
                 s.complete(refused)
             return
@@ -496,12 +543,27 @@ class TcpTransport(Transport):
                     self._lanes[key] = lane
         return lane
 
-    def _run_direct(self, peer: SegmentDesc, addr: str, slices: Sequence[Slice]) -> None:
+    runs_inline = True
+
+    def run_inline(self, peer: SegmentDesc, s: Slice) -> MooncakeConnectorsError | None:
+        if TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None:
+            return _tls_refused(peer)
+        if self._closed:
+            return TransportClosed("tcp transport closed", peer=peer.name)
+        return self._run_direct(peer, peer.endpoints["tcp"], (s,), report=False)
+
+    def _run_direct(
+        self, peer: SegmentDesc, addr: str, slices: Sequence[Slice], report: bool = True
+    ) -> MooncakeConnectorsError | None:
         """The caller waits anyway: drive a pooled connection from its thread, as a plain
         request/response socket loop would, with no thread handoff. Socket timeouts follow the
-        earliest deadline, so this returns by then (plus one syscall) at the latest."""
-        key = f"{peer.name}|{addr}"
-        deadline = min(s.deadline for s in slices)
+        earliest deadline, so this returns by then (plus one syscall) at the latest.
+
+        Each slice's outcome goes to its ``complete``; with ``report`` False (one slice) it is
+        returned instead."""
+        key = (peer.name, addr)
+        # an engine's batch shares one deadline; a retried slice comes alone
+        deadline = slices[0].deadline if len(slices) == 1 else min(s.deadline for s in slices)
         with self._lock:
             pool = self._idle.get(key)
             conn = pool.pop() if pool else None
@@ -510,31 +572,41 @@ class TcpTransport(Transport):
             try:
                 sock = open_connection(self.ctx, peer.name, addr, path, deadline)
             except MooncakeConnectorsError as exc:
+                if not report:
+                    return exc
                 for s in slices:
                     s.complete(exc)
-                return
+                return None
             conn = _Direct(sock, path)
         conn.deadline = deadline
         done = 0
         err: MooncakeConnectorsError | None = None
+        result: MooncakeConnectorsError | None = None
         sock = conn.sock
         try:
-            for chunk in _chunks(slices):
-                for s in chunk:
-                    s.path = conn.path
-                conn.bound(deadline - time.monotonic())
-                bufs, rids = frame(chunk, conn.ids)
-                wire.sendmsg_all(sock, bufs, conn.rebound)
-                for s, rid in zip(chunk, rids, strict=True):
-                    conn.rebound()  # each wait gets what is left of the deadline, no more
-                    k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
-                    if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
-                        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
-                    result = finish_response(
-                        sock, conn.hdr, s, rid, peer.name, conn.path, conn.rebound
-                    )
-                    done += 1
-                    s.complete(result)
+            if len(slices) == 1:
+                result = _exchange_one(conn, slices[0], peer.name)
+                done = 1
+                if report:
+                    slices[0].complete(result)
+            else:
+                for chunk in _chunks(slices):
+                    for s in chunk:
+                        s.path = conn.path
+                    conn.bound(deadline - time.monotonic())
+                    bufs, rids = frame(chunk, conn.ids)
+                    wire.sendmsg_all(sock, bufs, conn.rebound)
+                    for s, rid in zip(chunk, rids, strict=True):
+                        conn.rebound()  # each wait gets what is left of the deadline, no more
+                        k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
+                        if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: raises)
+                            wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
+                        result = finish_response(
+                            sock, conn.hdr, s, rid, peer.name, conn.path, conn.rebound
+                        )
+                        done += 1
+                        if report:
+                            s.complete(result)
         except (TimeoutError, BlockingIOError):
             err = TransferTimeout(
                 "deadline passed on a direct tcp connection", peer=peer.name, path=conn.path
@@ -545,15 +617,18 @@ class TcpTransport(Transport):
             err = exc
         if err is not None:
             sock.close()
+            if not report:
+                return err
             for s in slices[done:]:
                 s.complete(err)
-            return
+            return None
         with self._lock:
             pool = self._idle.setdefault(key, [])
             if self._closed or len(pool) >= _DIRECT_POOL:
                 sock.close()
             else:
                 pool.append(conn)
+        return result
 
     def _forget(self, lane: _Lane) -> None:
         with self._lock:

@@ -179,6 +179,8 @@ class TcpServer:
             hsize = wire.REQ.size
             frame_timeout = self.ctx.config.frame_timeout
             wire.set_io_tick(conn, _tick(frame_timeout))
+            served = (wire.OP_READ, wire.OP_WRITE, wire.OP_PING) if self.data else (wire.OP_PING,)
+            resp = wire.RESP
             while True:
                 # Common case in one syscall; recv_until only when the kernel splits it.
                 try:
@@ -191,11 +193,10 @@ class TcpServer:
                 if k != hsize:
                     wire.recv_until(conn, hv[k:] if k else hv, deadline)
                 magic, op, _, _, rid, addr, length = wire.REQ.unpack(hdr)
-                ops = (wire.OP_READ, wire.OP_WRITE) if self.data else ()
                 if magic == wire.REQ_MAGIC and op == wire.OP_CONTROL and self.control is not None:
                     self._control(conn, rid, length, who, deadline)
                     continue
-                if magic != wire.REQ_MAGIC or op not in (*ops, wire.OP_PING):
+                if magic != wire.REQ_MAGIC or op not in served:
                     _reply_error(conn, rid, wire.ST_PROTOCOL, "malformed request frame", deadline)
                     log.warning("closing %s: malformed request frame", who)
                     return
@@ -240,7 +241,7 @@ class TcpServer:
                     continue
                 data = last.slice(addr, length)
                 if op == wire.OP_READ:
-                    head = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length)
+                    head = resp.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, length)
                     try:
                         k = conn.sendmsg((head, data))
                     except BlockingIOError:  # the peer reads nothing for a tick
@@ -258,7 +259,7 @@ class TcpServer:
                         k = 0
                     if k != length:
                         wire.recv_until(conn, data[k:], deadline)
-                    _answer(conn, _ok(rid), deadline)
+                    _answer(conn, resp.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, 0), deadline)
         except TimeoutError as exc:
             log.info("closing %s: %s", who, exc)
         except ssl.SSLError as exc:  # a refused certificate, or a client not speaking TLS
