@@ -116,8 +116,14 @@ def test_unfinished_frames_stay_within_the_in_flight_budget() -> None:
             except (BrokenPipeError, ConnectionResetError):
                 pass
             assert rpc.inflight <= 2 * MiB
-        refused = [s for s in socks if closed_within(s, 1)]
-        assert 1 <= len(refused) <= 2  # two unfinished 0.9 MiB frames fit in 2 MiB, four do not
+        # Two unfinished 0.9 MiB frames fit in 2 MiB, four do not: the master closes one or two
+        # (given a loaded machine's time to do so; the others stay open for the 60 s deadline).
+        refused: set[int] = set()
+        deadline = time.monotonic() + 10
+        while not refused and time.monotonic() < deadline:
+            refused.update(i for i, s in enumerate(socks) if closed_within(s, 0.05))
+        refused.update(i for i, s in enumerate(socks) if i not in refused and closed_within(s, 0.5))
+        assert 1 <= len(refused) <= 2, refused
         assert rpc.inflight <= 2 * MiB
         served(master)
         for s in socks:
