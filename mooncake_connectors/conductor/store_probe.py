@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Sequence
 
 from ..errors import ConfigError, MooncakeConnectorsError
-from ..store.link import MasterLink
+from ..store.link import Dialer, MasterLink
 from ..store.protocol import Bools, Exists
 
 BLOCK_FIELD = "{block}"
@@ -79,7 +79,7 @@ class StoreProbe:
         self.block_size = block_size
         self.timeout = timeout
         token = auth_token or os.environ.get("MOONCAKE_CONNECTORS_STORE_TOKEN") or None
-        self.link = MasterLink(master, timeout, token)
+        self.link = MasterLink(master, timeout, Dialer(token))
         self.calls = 0
         self.errors = 0
         self.last_error = ""

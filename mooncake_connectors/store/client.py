@@ -33,7 +33,7 @@ from ..errors import (
 from ..transfer_core.engine import TransferEngine
 from ..transfer_core.memory import unmapped
 from .config import ClientConfig, ServerConfig
-from .link import MasterLink
+from .link import Dialer, MasterLink
 from .protocol import (
     MAX_KEY,
     Bools,
@@ -104,13 +104,7 @@ class StoreClient:
         self.client_id = f"client-{uuid.uuid4().hex[:12]}"
         self.engine: TransferEngine | None = None
         self.server: Any = None  # the embedded StoreServer, if any
-        self.link = MasterLink(
-            self.cfg.master,
-            self.cfg.rpc_timeout,
-            self.cfg.auth_token,
-            self.cfg.tls,
-            local_ipc=self.cfg.local_ipc,
-        )
+        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, Dialer.of(self.cfg))
         self.stripe_size = 0
         self.put_lease = 60.0
         self._staging: Staging | None = None
@@ -140,15 +134,7 @@ class StoreClient:
         try:
             self._staging = Staging(self.engine, cfg.local_buffer_size)
 
-            self._reader = Reader(
-                self.engine,
-                cfg.replica_timeout,
-                self.link,
-                cfg.rpc_timeout,
-                cfg.auth_token,
-                cfg.tls,
-                local_ipc=cfg.local_ipc,
-            )
+            self._reader = Reader(self.engine, cfg.replica_timeout, self.link, cfg.rpc_timeout)
             # Registering memory re-publishes this engine's descriptor and makes peers that read
             # from it re-fetch: only for a pure client whose metadata is local (p2p, memory).
             self._direct = (

@@ -9,12 +9,14 @@ store sends is safe to repeat (puts carry an id the master recognises).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 
 from ..errors import MasterUnavailable
 from ..tls import TlsConfig
+from .config import ClientConfig, ServerConfig
 from .ha import LeaderResolver
 from .protocol import Code, Err, Msg
 from .rpc import Channel
@@ -23,20 +25,28 @@ log = logging.getLogger(__name__)
 _RETRY_PAUSE = 0.05
 
 
+@dataclasses.dataclass(frozen=True)
+class Dialer:
+    """How this process opens control channels to store peers (the master, servers' load
+    ports): the store's shared secret, TLS files, and whether a loopback peer is reached over
+    its abstract unix socket (``local_ipc``, see :class:`Channel`)."""
+
+    token: str | None = dataclasses.field(default=None, repr=False)
+    tls: TlsConfig | None = None
+    local_ipc: bool = True
+
+    @classmethod
+    def of(cls, cfg: ClientConfig | ServerConfig) -> Dialer:
+        return cls(cfg.auth_token, cfg.tls, cfg.local_ipc)
+
+    def channel(self, address: str, timeout: float) -> Channel:
+        return Channel(address, timeout, self.token, self.tls, local_ipc=self.local_ipc)
+
+
 class MasterLink:
-    def __init__(
-        self,
-        master: str,
-        rpc_timeout: float,
-        token: str | None = None,
-        tls: TlsConfig | None = None,
-        *,
-        local_ipc: bool = True,
-    ) -> None:
+    def __init__(self, master: str, rpc_timeout: float, dial: Dialer | None = None) -> None:
         self.master = master
-        self.token = token
-        self.tls = tls
-        self.local_ipc = local_ipc  # see Channel
+        self.dial = dial or Dialer()
         self.rpc_timeout = rpc_timeout
         self._resolver = (
             LeaderResolver(master, rpc_timeout) if master.startswith("etcd://") else None
@@ -63,7 +73,7 @@ class MasterLink:
             ch.close()
             ch = None
         if ch is None:
-            ch = Channel(address, timeout, self.token, self.tls, local_ipc=self.local_ipc)
+            ch = self.dial.channel(address, timeout)
             self._local.ch = ch
             with self._lock:
                 self._channels = [c for c in self._channels if not c.closed]

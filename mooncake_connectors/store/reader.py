@@ -17,7 +17,6 @@ import threading
 import time
 
 from ..errors import MooncakeConnectorsError, ReplicaUnavailable, StoreError
-from ..tls import TlsConfig
 from ..transfer_core.descriptor import host_id
 from ..transfer_core.engine import TransferEngine, TransferRequest
 from ..types import TransferOp, TransferStatus
@@ -49,15 +48,9 @@ class Reader:
         replica_timeout: float,
         link: MasterLink,
         rpc_timeout: float,
-        token: str | None = None,
-        tls: TlsConfig | None = None,
-        *,
-        local_ipc: bool = True,
     ) -> None:
         self.engine = engine
-        self.token = token
-        self.tls = tls
-        self.local_ipc = local_ipc  # see Channel
+        self.dial = link.dial  # the servers' load ports take what the master takes
         self.replica_timeout = replica_timeout
         self.rpc_timeout = rpc_timeout
         self._host = host_id()
@@ -160,9 +153,7 @@ class Reader:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = Channel(
-                endpoint, self.rpc_timeout, self.token, self.tls, local_ipc=self.local_ipc
-            )
+            ch = chans[endpoint] = self.dial.channel(endpoint, self.rpc_timeout)
             with self._lock:
                 self._channels.append(ch)
         return ch

@@ -29,7 +29,7 @@ from ..transfer_core.engine import TransferEngine
 from ..transfer_core.memory import SharedBuffer, view
 from .allocator import RangeAllocator
 from .config import ServerConfig
-from .link import MasterLink
+from .link import Dialer, MasterLink
 from .protocol import (
     MAX_BATCH,
     Code,
@@ -91,13 +91,7 @@ class StoreServer:
         self._ch: Channel | None = None
         self.heartbeat = 1.0
         self.registrations = 0  # how many times it mounted (1 + re-registrations)
-        self.link = MasterLink(
-            self.cfg.master,
-            self.cfg.rpc_timeout,
-            self.cfg.auth_token,
-            self.cfg.tls,
-            local_ipc=self.cfg.local_ipc,
-        )
+        self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, Dialer.of(self.cfg))
 
     @property
     def segment(self) -> str:
@@ -188,13 +182,7 @@ class StoreServer:
             address = self.link.address()
             if address is not None:
                 try:
-                    return Channel(
-                        address,
-                        self.cfg.rpc_timeout,
-                        self.cfg.auth_token,
-                        self.cfg.tls,
-                        local_ipc=self.cfg.local_ipc,
-                    )
+                    return self.link.dial.channel(address, self.cfg.rpc_timeout)
                 except OSError as exc:
                     log.debug("connect to master %s failed: %s", address, exc)
                     self.link.invalidate()
