@@ -586,26 +586,10 @@ class Channel:
                 raise ProtocolError(f"{self.address} answered {reply} to Auth", peer=self.address)
 
     def call(self, msg: Msg, timeout: float) -> Msg:
-        rid = next(self._ids)
+        """``msg``'s reply, within ``timeout`` seconds (replies to requests still in flight
+        from ``send`` are kept for their ``wait``)."""
         deadline = time.monotonic() + timeout
-        self._send(frame(msg, rid), timeout)
-        while True:
-            got = self._read_frame(deadline)
-            if got is None:
-                raise TimeoutError(f"no reply from {self.address} within {timeout:.3g}s")
-            r_id, flags, reply = got
-            if flags & FLAG_PUSH:
-                self.pushes.append(reply)
-            elif r_id == rid:
-                if isinstance(reply, Err) and reply.code == Code.UNAUTHORIZED:
-                    self.close()
-                    raise AuthenticationError(
-                        f"{self.address} refused us: {reply.message}", peer=self.address
-                    )
-                return reply
-            elif r_id == 0 and isinstance(reply, Err):
-                raise ProtocolError(reply.message, peer=self.address)
-            # else: a late reply to an abandoned call; drop it
+        return self.wait(self.send(msg, timeout), deadline)
 
     @property
     def in_flight(self) -> bool:
@@ -626,7 +610,7 @@ class Channel:
             while got is None:
                 frame_ = self._read_frame(deadline)
                 if frame_ is None:
-                    raise TimeoutError(f"no reply from {self.address} in time")
+                    raise TimeoutError(f"no reply from {self.address} by the call's deadline")
                 r_id, flags, reply = frame_
                 if flags & FLAG_PUSH:
                     self.pushes.append(reply)
