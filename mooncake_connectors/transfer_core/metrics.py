@@ -37,6 +37,15 @@ _BOUNDS = [repr(float(b)) for b in LATENCY_BUCKETS] + ["+Inf"]
 _FLUSH_AT = 512  # events noted before the thread noting the next one adds them up
 
 
+def _counter(
+    name: str, doc: str, labels: list[str], values: dict[tuple[str, str], int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, n in sorted(values.items()):
+        family.add_metric(list(key), n)
+    return family
+
+
 class _DataPath(Collector):
     """Bytes moved, requests finished and their latency, one event per request or slice.
 
@@ -82,20 +91,18 @@ class _DataPath(Collector):
     def collect(self) -> Iterable[Metric]:
         self.flush()
         with self._lock:
-            moved = CounterMetricFamily(
+            moved = _counter(
                 "mooncake_connectors_transfer_bytes",
                 "Bytes moved by completed slices",
-                labels=["transport", "op"],
+                ["transport", "op"],
+                self._bytes,
             )
-            for (transport, op), nbytes in sorted(self._bytes.items()):
-                moved.add_metric([transport, op], nbytes)
-            requests = CounterMetricFamily(
+            requests = _counter(
                 "mooncake_connectors_transfer_requests",
                 "Transfer requests by final status",
-                labels=["op", "status"],
+                ["op", "status"],
+                self._requests,
             )
-            for (op, status), n in sorted(self._requests.items()):
-                requests.add_metric([op, status], n)
             latency = HistogramMetricFamily(
                 "mooncake_connectors_transfer_latency_seconds",
                 "Latency of transfer requests, submit to completion",
