@@ -759,6 +759,13 @@ def bench_vllm_pd(
     tcp_only: Annotated[
         bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
     ] = True,
+    pin: Annotated[
+        bool,
+        typer.Option(
+            help="Keep each engine's API server and engine core on its engine's core "
+            "(--no-pin: only vLLM's own binding of the worker)."
+        ),
+    ] = True,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -780,6 +787,7 @@ def bench_vllm_pd(
             transports=tuple(_csv(transports)),
             push=push,
             tcp_only=tcp_only,
+            pin=pin,
             progress=advance,
         )
     _emit(result, output)

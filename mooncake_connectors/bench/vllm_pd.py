@@ -19,11 +19,25 @@ length, ``rounds`` prompts go through prefill then decode, and we record
   bootstrap, the KV transfer, the first decode step), so it compares like with like where
   ``transfer_ms`` cannot (each connector logs its own span). Mooncake's is an extra, sequential
   request per prompt; its ``ttft_ms`` stays both legs at once.
+- ``decode_leg_tail``: median, p90, p99, max and p99 / median of ``decode_leg_ms`` over the
+  rounds (for the tail: with ``--rounds 50`` p99 lies between the two slowest requests);
+- ``sent_at_unix`` (ours pull): per request the wall-clock times the prefill leg was sent, the
+  decode leg was sent and the first token came, to line requests up with the engines' logs
+  (the connector logs each request's steps at DEBUG, see docs/vllm.md "Where a request's time
+  goes");
 - ``tokens_identical``: the decode's greedy tokens equal a plain single-engine run's.
 
 Ours runs with its default transports and, by default, TCP only as well (``tcp_only``), the
 like-for-like column against Mooncake's tcp. Every system's engine pair is up at once and the
 systems take turns at each prompt length, so machine noise hits all alike.
+
+Each engine's whole process tree (API server, engine core, worker) is confined to its core
+(``pin``, the default). vLLM binds only the worker's compute threads; left alone, the API
+server and the engine core (the scheduler) float onto the other engine's core, where that
+engine's worker spins between steps. On two loaded cores, unpinned, 18 of 150 decode legs took
+over 100 ms (up to 0.75 s); pinned, 2 of 200 did. None of that time was the connector's: it
+lay between the decode request's arrival and the scheduler seeing it, or between the scheduler
+taking the loaded request and its first token (docs/vllm.md, "Where a request's time goes").
 
 vLLM's MooncakeConnector asks torch for an accelerator device index, which CPU torch refuses;
 its engines get a ``sitecustomize`` that answers 0 and, on a CPU with AMX, asks Linux for AMX tile
@@ -110,6 +124,7 @@ class _Ours:
         self.name = f"mooncake-connectors MooncakeConnectorsPD ({','.join(transports)})"
         self.pair = f"ours {','.join(transports)}"  # runners with one pair share its engines
         self.decode_leg_ms: float | None = None
+        self.sent_at: list[float] | None = None  # wall clock: prefill sent, decode sent, first
 
     def kv(self, role: str) -> dict[str, Any]:
         extra: dict[str, Any] = {"transports": self.transports}
@@ -129,10 +144,12 @@ class _Ours:
         self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
     ) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
+        sent = time.time()
         leg = completion(prefill.url, prompt, 1, _leg())
         t1 = time.perf_counter()
         ms, ids = _stream_decode(decode, prompt, max_tokens, leg["kv_transfer_params"], t0)
         self.decode_leg_ms = ms - 1e3 * (t1 - t0)
+        self.sent_at = [sent, sent + (t1 - t0), sent + ms / 1e3]
         return ms, ids
 
 
@@ -249,6 +266,21 @@ class _Theirs:
         return out
 
 
+def tail(values: list[float]) -> dict[str, float] | None:
+    """Median, p90, p99, max and p99 / median of ``values`` (ms); None when too few for a p99.
+
+    Percentiles interpolate between the sorted values (``statistics.quantiles``, inclusive):
+    with 50 values p99 lies between the two largest."""
+    if len(values) < 2:
+        return None
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    med = statistics.median(values)
+    out = {"median": med, "p90": cuts[89], "p99": cuts[98], "max": max(values)}
+    res = {k: round(v, 1) for k, v in out.items()}
+    res["p99_over_median"] = round(cuts[98] / med, 2) if med > 0 else float("nan")
+    return res
+
+
 def _stream_decode(
     decode: VllmServer, prompt: list[int], max_tokens: int, params: Any, t0: float
 ) -> tuple[float, list[int]]:
@@ -272,6 +304,7 @@ def run_pd_benchmark(
     transports: tuple[str, ...] = ("shm", "tcp"),
     push: bool = True,
     tcp_only: bool = True,
+    pin: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
@@ -301,7 +334,7 @@ def run_pd_benchmark(
     try:
         for runner in runners:
             if runner.pair not in pairs:
-                pairs[runner.pair] = _start_pair(work, model, runner, max_len)
+                pairs[runner.pair] = _start_pair(work, model, runner, max_len, pin)
         for runner in runners:
             prefill, decode = pairs[runner.pair]
             stats[runner.name] = _Stats(runner.stats_side(prefill, decode))
@@ -311,7 +344,7 @@ def run_pd_benchmark(
         for length in lengths:
             for runner in runners:  # each system in turn, at each length
                 prefill, decode = pairs[runner.pair]
-                ttft, legs, same = [], [], []
+                ttft, legs, same, times = [], [], [], []
                 for r in range(rounds):
                     prompt = random_prompt(length * 100 + r, length)
                     ms, ids = runner.run(prefill, decode, prompt, max_tokens, r)
@@ -322,6 +355,8 @@ def run_pd_benchmark(
                     ttft.append(ms)
                     if runner.decode_leg_ms is not None:
                         legs.append(runner.decode_leg_ms)
+                    if getattr(runner, "sent_at", None):
+                        times.append([round(t, 4) for t in runner.sent_at])
                     same.append(ids == reference[key])
                     done += 1
                     if progress:
@@ -337,8 +372,11 @@ def run_pd_benchmark(
                     "ttft_ms_all": [round(t, 1) for t in ttft],
                     "decode_leg_ms": round(statistics.median(legs), 1) if legs else None,
                     "decode_leg_ms_all": [round(x, 1) for x in legs],
+                    "decode_leg_tail": tail(legs),
                     "tokens_identical": all(same),
                 }
+                if times:  # to line requests up with the engines' logs
+                    results[runner.name][str(length)]["sent_at_unix"] = times
     finally:
         for prefill, decode in pairs.values():
             prefill.stop()
@@ -357,6 +395,7 @@ def run_pd_benchmark(
         },
         "rounds": rounds,
         "max_tokens": max_tokens,
+        "pinned": pin,
         "load_average": loadavg(),
         "results": results,
         "logs": str(work),
@@ -398,8 +437,9 @@ def run_pd_benchmark(
     return out
 
 
-def _start_pair(work: Path, model: Path, runner: Any, max_len: int) -> tuple[Any, Any]:
-    """A prefill (core 0) and a decode (core 1) engine with ``runner``'s connector, ready."""
+def _start_pair(work: Path, model: Path, runner: Any, max_len: int, pin: bool) -> tuple[Any, Any]:
+    """A prefill (core 0) and a decode (core 1) engine with ``runner``'s connector, ready;
+    ``pin``: each engine's API server and engine core on its core too."""
     common = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
     # Every system's pair is up at once: 256 MiB of KV cache each (65k tokens of this model)
     # instead of vLLM's CPU default of 1 GiB, so six engines fit beside other work.
@@ -413,6 +453,7 @@ def _start_pair(work: Path, model: Path, runner: Any, max_len: int) -> tuple[Any
             max_model_len=max_len,
             args=args,
             env=common,
+            pin_all=pin,
         )
         for core, role in ((0, "kv_producer"), (1, "kv_consumer"))
     ]
