@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import statistics
 import tempfile
 import threading
@@ -60,12 +59,9 @@ from typing import Any
 
 from ..pd import params as pdp
 from .launch import VllmServer, completion, free_port, random_prompt, stream_completion, token_ids
+from .pd_stats import TransferLog, tail
 from .procs import loadavg
 
-_METRICS = re.compile(
-    r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)"
-    r".*?Avg MB per transfer=([\d.]+)"
-)
 _PATCH = """\
 # Written by mooncake-connectors bench vllm-pd for vLLM's MooncakeConnector on a CPU-only torch.
 try:
@@ -83,39 +79,6 @@ try:
 except Exception:
     pass
 """
-
-
-class _Stats:
-    """Reads the ``KV Transfer metrics`` lines a server logged since the last call."""
-
-    def __init__(self, server: VllmServer) -> None:
-        self.server = server
-        self.seen = 0
-
-    def lines(self) -> list[tuple[int, float, float]]:
-        try:
-            text = self.server.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        found = [_METRICS.search(t) for t in text]
-        hits = [(int(m[1]), float(m[2]), float(m[3])) for m in found if m]
-        return hits
-
-    def wait(self, requests: int, timeout: float = 30.0) -> tuple[float, float, int]:
-        """(ms per request, MB per request, transfers) once ``requests`` transfers are logged."""
-        end = time.monotonic() + timeout
-        while True:
-            new = self.lines()[self.seen :]
-            count = sum(n for n, _, _ in new)
-            if count >= requests or time.monotonic() > end:
-                break
-            time.sleep(0.25)
-        self.seen += len(new)
-        if not count:
-            return float("nan"), float("nan"), 0
-        total_ms = sum(n * ms for n, ms, _ in new)
-        total_mb = sum(n * mb for n, _, mb in new)
-        return total_ms / requests, total_mb / requests, count
 
 
 class _Ours:
@@ -266,21 +229,6 @@ class _Theirs:
         return out
 
 
-def tail(values: list[float]) -> dict[str, float] | None:
-    """Median, p90, p99, max and p99 / median of ``values`` (ms); None when too few for a p99.
-
-    Percentiles interpolate between the sorted values (``statistics.quantiles``, inclusive):
-    with 50 values p99 lies between the two largest."""
-    if len(values) < 2:
-        return None
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    med = statistics.median(values)
-    out = {"median": med, "p90": cuts[89], "p99": cuts[98], "max": max(values)}
-    res = {k: round(v, 1) for k, v in out.items()}
-    res["p99_over_median"] = round(cuts[98] / med, 2) if med > 0 else float("nan")
-    return res
-
-
 def _stream_decode(
     decode: VllmServer, prompt: list[int], max_tokens: int, params: Any, t0: float
 ) -> tuple[float, list[int]]:
@@ -330,14 +278,14 @@ def run_pd_benchmark(
     reference: dict[tuple[int, int], list[int]] = {}
     results: dict[str, Any] = {r.name: {} for r in runners}
     pairs: dict[str, tuple[VllmServer, VllmServer]] = {}
-    stats: dict[str, _Stats] = {}
+    stats: dict[str, TransferLog] = {}
     try:
         for runner in runners:
             if runner.pair not in pairs:
                 pairs[runner.pair] = _start_pair(work, model, runner, max_len, pin)
         for runner in runners:
             prefill, decode = pairs[runner.pair]
-            stats[runner.name] = _Stats(runner.stats_side(prefill, decode))
+            stats[runner.name] = TransferLog(runner.stats_side(prefill, decode))
             for w in range(3):  # warm both engines and the connector's connections
                 runner.run(prefill, decode, random_prompt(10_000 + w, 256), 2, -1 - w)
             stats[runner.name].wait(3, timeout=10)
