@@ -34,8 +34,8 @@ systems take turns at each prompt length, so machine noise hits all alike.
 Each engine's whole process tree (API server, engine core, worker) is confined to its core
 (``pin``, the default). vLLM binds only the worker's compute threads; left alone, the API
 server and the engine core (the scheduler) float onto the other engine's core, where that
-engine's worker spins between steps. On two loaded cores, unpinned, 18 of 150 decode legs took
-over 100 ms (up to 0.75 s); pinned, 2 of 200 did. None of that time was the connector's: it
+engine's worker spins between steps. On two loaded cores, unpinned, 19 of 200 decode legs took
+over 100 ms (up to 0.75 s); pinned, 4 of 450 did. None of that time was the connector's: it
 lay between the decode request's arrival and the scheduler seeing it, or between the scheduler
 taking the loaded request and its first token (docs/vllm.md, "Where a request's time goes").
 
