@@ -403,10 +403,14 @@ def demo(
         float,
         typer.Option(min=0.0, help="Seconds between the overlapping run's prompts."),
     ] = 0.1,
-    layers: Annotated[int, typer.Option(min=1, max=64, help="Layers of the local model.")] = 4,
+    layers: Annotated[int, typer.Option(min=1, max=64, help="Layers of the local model.")] = 8,
     hidden: Annotated[
         int, typer.Option(min=64, max=4096, help="Hidden size of the local model (x64).")
-    ] = 256,
+    ] = 512,
+    dtype: Annotated[
+        str,
+        typer.Option(help="The model's and the engines' dtype: float32 or bfloat16."),
+    ] = "float32",
     store: Annotated[
         bool,
         typer.Option(help="Start the store; the prefill engine saves to it and loads from it."),
@@ -445,6 +449,7 @@ def demo(
                 interval=interval,
                 layers=layers,
                 hidden=hidden,
+                dtype=dtype,
                 store=store,
                 work_dir=Path(work_dir) if work_dir else None,
                 say=say,
@@ -759,6 +764,13 @@ def bench_vllm_pd(
     tcp_only: Annotated[
         bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
     ] = True,
+    pin: Annotated[
+        bool,
+        typer.Option(
+            help="Keep each engine's API server and engine core on its engine's core "
+            "(--no-pin: only vLLM's own binding of the worker)."
+        ),
+    ] = True,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -780,6 +792,7 @@ def bench_vllm_pd(
             transports=tuple(_csv(transports)),
             push=push,
             tcp_only=tcp_only,
+            pin=pin,
             progress=advance,
         )
     _emit(result, output)

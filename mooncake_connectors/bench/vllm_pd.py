@@ -19,11 +19,25 @@ length, ``rounds`` prompts go through prefill then decode, and we record
   bootstrap, the KV transfer, the first decode step), so it compares like with like where
   ``transfer_ms`` cannot (each connector logs its own span). Mooncake's is an extra, sequential
   request per prompt; its ``ttft_ms`` stays both legs at once.
+- ``decode_leg_tail``: median, p90, p99, max and p99 / median of ``decode_leg_ms`` over the
+  rounds (for the tail: with ``--rounds 50`` p99 lies between the two slowest requests);
+- ``sent_at_unix`` (ours pull): per request the wall-clock times the prefill leg was sent, the
+  decode leg was sent and the first token came, to line requests up with the engines' logs
+  (the connector logs each request's steps at DEBUG, see docs/vllm.md "Where a request's time
+  goes");
 - ``tokens_identical``: the decode's greedy tokens equal a plain single-engine run's.
 
 Ours runs with its default transports and, by default, TCP only as well (``tcp_only``), the
 like-for-like column against Mooncake's tcp. Every system's engine pair is up at once and the
 systems take turns at each prompt length, so machine noise hits all alike.
+
+Each engine's whole process tree (API server, engine core, worker) is confined to its core
+(``pin``, the default). vLLM binds only the worker's compute threads; left alone, the API
+server and the engine core (the scheduler) float onto the other engine's core, where that
+engine's worker spins between steps. On two loaded cores, unpinned, 19 of 200 decode legs took
+over 100 ms (up to 0.75 s); pinned, 4 of 450 did. None of that time was the connector's: it
+lay between the decode request's arrival and the scheduler seeing it, or between the scheduler
+taking the loaded request and its first token (docs/vllm.md, "Where a request's time goes").
 
 vLLM's MooncakeConnector asks torch for an accelerator device index, which CPU torch refuses;
 its engines get a ``sitecustomize`` that answers 0 and, on a CPU with AMX, asks Linux for AMX tile
@@ -35,7 +49,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import statistics
 import tempfile
 import threading
@@ -46,12 +59,9 @@ from typing import Any
 
 from ..pd import params as pdp
 from .launch import VllmServer, completion, free_port, random_prompt, stream_completion, token_ids
+from .pd_stats import TransferLog, tail
 from .procs import loadavg
 
-_METRICS = re.compile(
-    r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)"
-    r".*?Avg MB per transfer=([\d.]+)"
-)
 _PATCH = """\
 # Written by mooncake-connectors bench vllm-pd for vLLM's MooncakeConnector on a CPU-only torch.
 try:
@@ -71,45 +81,13 @@ except Exception:
 """
 
 
-class _Stats:
-    """Reads the ``KV Transfer metrics`` lines a server logged since the last call."""
-
-    def __init__(self, server: VllmServer) -> None:
-        self.server = server
-        self.seen = 0
-
-    def lines(self) -> list[tuple[int, float, float]]:
-        try:
-            text = self.server.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        found = [_METRICS.search(t) for t in text]
-        hits = [(int(m[1]), float(m[2]), float(m[3])) for m in found if m]
-        return hits
-
-    def wait(self, requests: int, timeout: float = 30.0) -> tuple[float, float, int]:
-        """(ms per request, MB per request, transfers) once ``requests`` transfers are logged."""
-        end = time.monotonic() + timeout
-        while True:
-            new = self.lines()[self.seen :]
-            count = sum(n for n, _, _ in new)
-            if count >= requests or time.monotonic() > end:
-                break
-            time.sleep(0.25)
-        self.seen += len(new)
-        if not count:
-            return float("nan"), float("nan"), 0
-        total_ms = sum(n * ms for n, ms, _ in new)
-        total_mb = sum(n * mb for n, _, mb in new)
-        return total_ms / requests, total_mb / requests, count
-
-
 class _Ours:
     def __init__(self, transports: list[str]) -> None:
         self.transports = transports
         self.name = f"mooncake-connectors MooncakeConnectorsPD ({','.join(transports)})"
         self.pair = f"ours {','.join(transports)}"  # runners with one pair share its engines
         self.decode_leg_ms: float | None = None
+        self.sent_at: list[float] | None = None  # wall clock: prefill sent, decode sent, first
 
     def kv(self, role: str) -> dict[str, Any]:
         extra: dict[str, Any] = {"transports": self.transports}
@@ -129,10 +107,12 @@ class _Ours:
         self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
     ) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
+        sent = time.time()
         leg = completion(prefill.url, prompt, 1, _leg())
         t1 = time.perf_counter()
         ms, ids = _stream_decode(decode, prompt, max_tokens, leg["kv_transfer_params"], t0)
         self.decode_leg_ms = ms - 1e3 * (t1 - t0)
+        self.sent_at = [sent, sent + (t1 - t0), sent + ms / 1e3]
         return ms, ids
 
 
@@ -272,6 +252,7 @@ def run_pd_benchmark(
     transports: tuple[str, ...] = ("shm", "tcp"),
     push: bool = True,
     tcp_only: bool = True,
+    pin: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
@@ -297,21 +278,21 @@ def run_pd_benchmark(
     reference: dict[tuple[int, int], list[int]] = {}
     results: dict[str, Any] = {r.name: {} for r in runners}
     pairs: dict[str, tuple[VllmServer, VllmServer]] = {}
-    stats: dict[str, _Stats] = {}
+    stats: dict[str, TransferLog] = {}
     try:
         for runner in runners:
             if runner.pair not in pairs:
-                pairs[runner.pair] = _start_pair(work, model, runner, max_len)
+                pairs[runner.pair] = _start_pair(work, model, runner, max_len, pin)
         for runner in runners:
             prefill, decode = pairs[runner.pair]
-            stats[runner.name] = _Stats(runner.stats_side(prefill, decode))
+            stats[runner.name] = TransferLog(runner.stats_side(prefill, decode))
             for w in range(3):  # warm both engines and the connector's connections
                 runner.run(prefill, decode, random_prompt(10_000 + w, 256), 2, -1 - w)
             stats[runner.name].wait(3, timeout=10)
         for length in lengths:
             for runner in runners:  # each system in turn, at each length
                 prefill, decode = pairs[runner.pair]
-                ttft, legs, same = [], [], []
+                ttft, legs, same, times = [], [], [], []
                 for r in range(rounds):
                     prompt = random_prompt(length * 100 + r, length)
                     ms, ids = runner.run(prefill, decode, prompt, max_tokens, r)
@@ -322,6 +303,8 @@ def run_pd_benchmark(
                     ttft.append(ms)
                     if runner.decode_leg_ms is not None:
                         legs.append(runner.decode_leg_ms)
+                    if getattr(runner, "sent_at", None):
+                        times.append([round(t, 4) for t in runner.sent_at])
                     same.append(ids == reference[key])
                     done += 1
                     if progress:
@@ -337,8 +320,11 @@ def run_pd_benchmark(
                     "ttft_ms_all": [round(t, 1) for t in ttft],
                     "decode_leg_ms": round(statistics.median(legs), 1) if legs else None,
                     "decode_leg_ms_all": [round(x, 1) for x in legs],
+                    "decode_leg_tail": tail(legs),
                     "tokens_identical": all(same),
                 }
+                if times:  # to line requests up with the engines' logs
+                    results[runner.name][str(length)]["sent_at_unix"] = times
     finally:
         for prefill, decode in pairs.values():
             prefill.stop()
@@ -357,6 +343,7 @@ def run_pd_benchmark(
         },
         "rounds": rounds,
         "max_tokens": max_tokens,
+        "pinned": pin,
         "load_average": loadavg(),
         "results": results,
         "logs": str(work),
@@ -398,8 +385,9 @@ def run_pd_benchmark(
     return out
 
 
-def _start_pair(work: Path, model: Path, runner: Any, max_len: int) -> tuple[Any, Any]:
-    """A prefill (core 0) and a decode (core 1) engine with ``runner``'s connector, ready."""
+def _start_pair(work: Path, model: Path, runner: Any, max_len: int, pin: bool) -> tuple[Any, Any]:
+    """A prefill (core 0) and a decode (core 1) engine with ``runner``'s connector, ready;
+    ``pin``: each engine's API server and engine core on its core too."""
     common = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
     # Every system's pair is up at once: 256 MiB of KV cache each (65k tokens of this model)
     # instead of vLLM's CPU default of 1 GiB, so six engines fit beside other work.
@@ -413,6 +401,7 @@ def _start_pair(work: Path, model: Path, runner: Any, max_len: int) -> tuple[Any
             max_model_len=max_len,
             args=args,
             env=common,
+            pin_all=pin,
         )
         for core, role in ((0, "kv_producer"), (1, "kv_consumer"))
     ]

@@ -17,7 +17,12 @@ median of ``rounds`` prompts, the same prompts for every system). With ``baselin
 engines without any KV connector compute those prompts too, and
 ``cold_ratio_*_over_no_connector`` is a connector's miss TTFT over theirs: what the connector
 costs a request the store cannot help (the lookup, and the previous request's save running while
-this one is computed).
+this one is computed). Those systems run minutes apart, so the machine's load can decide that
+ratio; ``cold_ratio_paired_*_over_no_connector`` does not let it: a plain engine (no connector,
+on B's core) stays up beside every connector's engines, and ``rounds`` never-saved prompts go
+to B and to it in turns (who goes first alternates), each after a 1.2 s pause (no earlier
+request's save or worker polling still running), the same prompt to both. ``cold_paired``
+holds every time and the median of the per-pair ratios.
 ``--ours-async`` adds a run of ours with ``load_async``. Ours also runs TCP only (``tcp_only``,
 default on): its client's data and control messages over loopback TCP, as Mooncake's ``tcp``
 works, so ``ttft_ratio_ours_tcp_over_theirs`` is the like-for-like figure. The systems run one
@@ -186,6 +191,42 @@ class _Theirs:
             _stop(p)
 
 
+def _tag(runner: Any) -> str:
+    tag = "theirs" if isinstance(runner, _Theirs) else "ours"
+    if isinstance(runner, _Ours):
+        tag += "_tcp" if runner.transports == ("tcp",) else ""
+        tag += "_load_async" if runner.load_async else ""
+    return tag
+
+
+_QUIET = 1.2  # s: a vLLM worker polls its queue for 1 s after a step; saves finish too
+
+
+def _cold_pairs(
+    engine: VllmServer, plain: VllmServer, length: int, rounds: int, max_tokens: int
+) -> dict[str, Any]:
+    """The same never-saved prompts on ``engine`` (a connector's, a store miss) and on
+    ``plain`` (no connector), in turns, each after a quiet pause: what the connector adds to
+    a cold request, with the machine's state the same for both and no earlier request's
+    save still running."""
+    mine: list[float] = []
+    none: list[float] = []
+    for r in range(rounds):
+        prompt = random_prompt(length * 100 + 50 + r, length)
+        turns = [(engine.url, mine), (plain.url, none)]
+        for url, out in turns if r % 2 == 0 else turns[::-1]:  # neither always goes first
+            time.sleep(_QUIET)
+            out.append(_stream(url, prompt, max_tokens)[0])
+    return {
+        "ms_all": [round(t, 1) for t in mine],
+        "no_connector_ms_all": [round(t, 1) for t in none],
+        "ratio": round(statistics.median(mine) / statistics.median(none), 3),
+        "ratio_of_pairs": round(
+            statistics.median(m / n for m, n in zip(mine, none, strict=True)), 3
+        ),
+    }
+
+
 def run_store_benchmark(
     *,
     lengths: list[int],
@@ -228,72 +269,92 @@ def run_store_benchmark(
     done = 0
     max_len = max(*lengths, 600) + max_tokens + 64  # 600: the warm-up prompts
     results: dict[str, Any] = {}
-    for runner in runners:
-        engines: list[VllmServer] = []
-        try:
-            runner.start_store()
-            env = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
-            for core in (0, 1):
-                engines.append(
-                    VllmServer(
-                        work,
-                        model,
-                        core=core,
-                        kv_transfer_config=runner.kv(),
-                        max_model_len=max_len,
-                        args=("--no-enable-prefix-caching",),
-                        env=env,
+    paired: dict[str, Any] = {}
+    companion: VllmServer | None = None
+    if baseline and any(not isinstance(r, _NoConnector) for r in runners):
+        # Engine B's twin without a connector, up beside every connector's engines, so each
+        # connector's cold requests are compared with plain vLLM's in the same minutes.
+        companion = VllmServer(
+            work, model, core=1, max_model_len=max_len, args=("--no-enable-prefix-caching",)
+        )
+        companion.launch()
+    try:
+        for runner in runners:
+            engines: list[VllmServer] = []
+            try:
+                runner.start_store()
+                env = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
+                for core in (0, 1):
+                    engines.append(
+                        VllmServer(
+                            work,
+                            model,
+                            core=core,
+                            kv_transfer_config=runner.kv(),
+                            max_model_len=max_len,
+                            args=("--no-enable-prefix-caching",),
+                            env=env,
+                        )
                     )
-                )
-            a, b = engines
-            for e in engines:
-                e.launch()
-            for e in engines:
-                e.wait_ready()
-            plain = isinstance(runner, _NoConnector)
-            for w in range(3):  # warm both engines and their store connections
-                p = random_prompt(10_000 + w, 600)
-                completion(a.url, p, 2)
-                time.sleep(0 if plain else settle)
-                _stream(b.url, p, 2)
-            per_len: dict[str, Any] = {}
-            for length in lengths:
-                ttft, hit, same = [], [], []
-                for r in range(0 if plain else rounds):
-                    prompt = random_prompt(length * 100 + r, length)
-                    reference = token_ids(completion(a.url, prompt, max_tokens))
-                    time.sleep(settle)  # the save runs after A's request finished
-                    before = b.metric(HITS)
-                    ms, ids = _stream(b.url, prompt, max_tokens)
-                    hit.append((b.metric(HITS) - before) / length)
-                    ttft.append(ms)
-                    same.append(ids == reference)
+                a, b = engines
+                for e in engines:
+                    e.launch()
+                for e in engines:
+                    e.wait_ready()
+                if companion is not None:
+                    companion.wait_ready()
+                    for w in range(3):
+                        _stream(companion.url, random_prompt(10_000 + w, 600), 2)
+                plain = isinstance(runner, _NoConnector)
+                for w in range(3):  # warm both engines and their store connections
+                    p = random_prompt(10_000 + w, 600)
+                    completion(a.url, p, 2)
+                    time.sleep(0 if plain else settle)
+                    _stream(b.url, p, 2)
+                per_len: dict[str, Any] = {}
+                for length in lengths:
+                    ttft, hit, same = [], [], []
+                    for r in range(0 if plain else rounds):
+                        prompt = random_prompt(length * 100 + r, length)
+                        reference = token_ids(completion(a.url, prompt, max_tokens))
+                        time.sleep(settle)  # the save runs after A's request finished
+                        before = b.metric(HITS)
+                        ms, ids = _stream(b.url, prompt, max_tokens)
+                        hit.append((b.metric(HITS) - before) / length)
+                        ttft.append(ms)
+                        same.append(ids == reference)
+                        done += 1
+                        if progress:
+                            progress(done, total)
+                    miss = [
+                        _stream(b.url, random_prompt(length * 100 + 90 + r, length), max_tokens)[0]
+                        for r in range(rounds)
+                    ]
                     done += 1
-                    if progress:
-                        progress(done, total)
-                miss = [
-                    _stream(b.url, random_prompt(length * 100 + 90 + r, length), max_tokens)[0]
-                    for r in range(rounds)
-                ]
-                done += 1
-                row: dict[str, Any] = {
-                    "miss_ttft_ms": round(statistics.median(miss), 1),
-                    "miss_ttft_ms_all": [round(t, 1) for t in miss],
-                }
-                if not plain:
-                    row |= {
-                        "ttft_ms": round(statistics.median(ttft), 1),
-                        "ttft_ms_all": [round(t, 1) for t in ttft],
-                        "hit_fraction": round(min(hit), 3),
-                        "tokens_identical": all(same),
-                        "tokens_identical_per_prompt": same,
+                    row: dict[str, Any] = {
+                        "miss_ttft_ms": round(statistics.median(miss), 1),
+                        "miss_ttft_ms_all": [round(t, 1) for t in miss],
                     }
-                per_len[str(length)] = row
-            results[runner.name] = per_len
-        finally:
-            for e in engines:
-                e.stop()
-            runner.stop()
+                    if not plain:
+                        row |= {
+                            "ttft_ms": round(statistics.median(ttft), 1),
+                            "ttft_ms_all": [round(t, 1) for t in ttft],
+                            "hit_fraction": round(min(hit), 3),
+                            "tokens_identical": all(same),
+                            "tokens_identical_per_prompt": same,
+                        }
+                    if companion is not None and not plain:
+                        pairs = _cold_pairs(b, companion, length, rounds, max_tokens)
+                        paired.setdefault(runner.name, {})[str(length)] = pairs
+                    per_len[str(length)] = row
+                results[runner.name] = per_len
+            finally:
+                for e in engines:
+                    e.stop()
+                runner.stop()
+    finally:
+        if companion is not None:
+            companion.stop()
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     out: dict[str, Any] = {
@@ -322,15 +383,18 @@ def run_store_benchmark(
     for r in runners:
         if none is None or isinstance(r, _NoConnector):
             continue
-        tag = "theirs" if isinstance(r, _Theirs) else "ours"
-        if isinstance(r, _Ours):
-            tag += "_tcp" if r.transports == ("tcp",) else ""
-            tag += "_load_async" if r.load_async else ""
-        out[f"cold_ratio_{tag}_over_no_connector"] = {
+        out[f"cold_ratio_{_tag(r)}_over_no_connector"] = {
             k: round(v["miss_ttft_ms"] / none[k]["miss_ttft_ms"], 3)
             for k, v in results[r.name].items()
             if none.get(k, {}).get("miss_ttft_ms")
         }
+    for r in runners:
+        if r.name in paired:
+            out[f"cold_ratio_paired_{_tag(r)}_over_no_connector"] = {
+                k: v["ratio"] for k, v in paired[r.name].items()
+            }
+    if paired:
+        out["cold_paired"] = paired
     theirs = next((results[r.name] for r in runners if isinstance(r, _Theirs)), None)
     for r in runners:
         if isinstance(r, _Ours) and theirs is not None:

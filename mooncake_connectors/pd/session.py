@@ -176,6 +176,7 @@ class TransferSession(LayerPush):
         now = time.monotonic()
         with self._lock:
             for rid in msg.request_ids:
+                log.debug("timeline %s done_received", rid)
                 first, _, ranks = self._done.get(rid, (now, msg.readers, set()))
                 ranks.add(msg.reader)
                 self._done[rid] = (first, max(1, msg.readers), ranks)
@@ -188,6 +189,7 @@ class TransferSession(LayerPush):
                 for rid, lease in meta.send.items():
                     self._sending[rid] = now + lease
         for spec in meta.recv:
+            log.debug("timeline %s load_queued", spec.request_id)
             self._pool.submit(self._load, spec)
         self.begin_step(meta)
         for pspec in meta.push_recv:
@@ -204,6 +206,7 @@ class TransferSession(LayerPush):
             }
             expired = {rid for rid, end in self._sending.items() if end <= now} - sent
             for rid in sent | expired:
+                log.debug("timeline %s blocks_freed", rid)
                 del self._sending[rid]
                 self._done.pop(rid, None)
             # Done notices for requests we never held (aborted prefills) do not pile up.
@@ -211,6 +214,8 @@ class TransferSession(LayerPush):
             for rid in [r for r, (t, _, _) in self._done.items() if t < horizon]:
                 del self._done[rid]
             recved, self._recv_done = self._recv_done, set()
+        for rid in recved:
+            log.debug("timeline %s load_reported", rid)
         for rid in expired:
             log.warning("request %s: decode did not read its KV within the lease; freed", rid)
             self.stats.record_expired_lease()
@@ -265,6 +270,7 @@ class TransferSession(LayerPush):
 
     def _load(self, spec: RecvSpec) -> None:
         remote = spec.remote
+        log.debug("timeline %s load_start", spec.request_id)
         failed: set[int] = set()
         t0 = time.perf_counter()
         nbytes = nreqs = 0
@@ -287,8 +293,10 @@ class TransferSession(LayerPush):
                 self.layout, layouts, spec.local_block_ids, spec.remote_block_ids
             )
             t0 = time.perf_counter()
+            log.debug("timeline %s transfer_submit %d", spec.request_id, len(reqs))
             batch = self.engine.submit(reqs, timeout=self.config.transfer_timeout)
             batch.wait()
+            log.debug("timeline %s transfer_end", spec.request_id)
             failed = set()
             first_error: BaseException | None = None
             for i, (status, err) in enumerate(zip(batch.statuses, batch.errors, strict=True)):

@@ -84,7 +84,8 @@ def worker_layout(
     tensors: dict[str, torch.Tensor], segment: str = "seg", rank: int = 0, tp: int = 1
 ) -> WorkerLayout:
     layers = [lay for n, t in tensors.items() for lay in layer_layouts(n, t, NB, t.shape[1])]
-    return WorkerLayout("e", rank, tp, segment, "tcp://127.0.0.1:1", BS, "torch.bfloat16", layers)
+    dtype = str(next(iter(tensors.values())).dtype)
+    return WorkerLayout("e", rank, tp, segment, "tcp://127.0.0.1:1", BS, dtype, layers)
 
 
 def test_plan_reads_coalesces_runs_and_names_the_blocks_of_each_request() -> None:
@@ -132,6 +133,36 @@ def test_planned_reads_move_each_block_into_its_place() -> None:
             assert torch.equal(dst[name][lb], src[name][rb])
         for untouched in (3, 4, 5, 7):
             assert not dst[name][untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_other_element_sizes_move_block_for_block(dtype: torch.dtype) -> None:
+    """A float32 model (4-byte elements, as ``--dtype float32`` gives) and a 2-byte one: the
+    block arithmetic scales with the element size, and every byte lands in its block."""
+    shape = (NB, HEADS, BS, 2 * HEAD)
+    src = {"l0": torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype)}
+    dst = {"l0": torch.zeros(shape, dtype=dtype)}
+    (lay,) = layer_layouts("l0", src["l0"], NB, HEADS)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    assert lay.block_bytes == lay.stride == HEADS * BS * 2 * HEAD * elem
+    assert lay.head_bytes == BS * 2 * HEAD * elem
+    with pytest.raises(ConfigError, match="dtype"):
+        check_compatible(worker_layout(dst), worker_layout({"l0": cpu_kv(False)}))
+    prefill = TransferEngine(EngineConfig(metadata="memory://pd-elem", transports=("tcp",)))
+    decode = TransferEngine(EngineConfig(metadata="memory://pd-elem", transports=("tcp",)))
+    with prefill, decode:
+        for engine, tensors in ((prefill, src), (decode, dst)):
+            lays = layer_layouts("l0", tensors["l0"], NB)
+            engine.register_many(register_spans(lays), access=Access.READ, owner=tensors)
+        remote = worker_layout(src, prefill.segment_name)
+        check_compatible(worker_layout(dst), remote)
+        reqs, _ = plan_reads(worker_layout(dst), [remote], [0, 1, 7], [6, 2, 3])
+        batch = decode.submit(reqs, timeout=10)
+        assert batch.wait(15)
+        assert batch.statuses == [TransferStatus.COMPLETED] * len(reqs)
+    for lb, rb in zip([0, 1, 7], [6, 2, 3], strict=True):
+        assert torch.equal(dst["l0"][lb], src["l0"][rb])
+    assert not dst["l0"][2:7].any()
 
 
 def test_tp_pairing() -> None:

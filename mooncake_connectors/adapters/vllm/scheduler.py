@@ -105,6 +105,7 @@ class PDScheduler:
         if n is None:
             n = self._pushable_tokens(request) if pdp.is_push(params) else self._loadable(request)
             self._matched[rid] = n
+            log.debug("timeline %s scheduler_sees %d", rid, n)
         count = n - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -171,6 +172,7 @@ class PDScheduler:
             return
         remote = _decode(params, PullParams, rid, warn=True)
         if remote is not None:
+            log.debug("timeline %s allocated %d", rid, num_external_tokens)
             block_ids = _block_ids(blocks, num_external_tokens)
             self._recv.append(
                 recv_spec(rid, remote, n, num_external_tokens, block_ids, self.block_size)
@@ -215,6 +217,9 @@ class PDScheduler:
     def build_connector_meta(self, out: SchedulerOutput | None = None) -> PDConnectorMetadata:
         if out is not None:
             self._push_steps(out)
+            if log.isEnabledFor(logging.DEBUG):
+                for new in out.scheduled_new_reqs:
+                    log.debug("timeline %s scheduled", new.req_id)
         meta = PDConnectorMetadata(
             recv=self._recv,
             send=self._send,
@@ -265,6 +270,7 @@ class PDScheduler:
             return False, None
         lease = self.config.kv_lease
         self._send[rid] = lease
+        log.debug("timeline %s handover %d", rid, num_tokens)
         out = handover(
             self.engine_id,
             rid,

@@ -1,0 +1,28 @@
+"""The tail figures ``bench vllm-pd`` records for the decode leg (issue goal: p99 <= 2x median)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_connectors.bench.pd_stats import tail
+
+
+def test_tail_of_fifty_puts_p99_between_the_two_slowest() -> None:
+    values = [30.0] * 48 + [60.0, 300.0]
+    got = tail(values)
+    assert got is not None
+    assert got["median"] == 30.0 and got["p90"] == 30.0 and got["max"] == 300.0
+    # inclusive quantiles: p99 sits at 0.99 * 49 = 48.51 in the sorted list
+    assert got["p99"] == pytest.approx(60.0 + 0.51 * 240.0, abs=0.1)
+    assert got["p99_over_median"] == pytest.approx(got["p99"] / 30.0, abs=0.01)
+
+
+def test_one_slow_request_in_fifty_does_not_pass_for_a_tight_tail() -> None:
+    even = tail([20.0 + i % 5 for i in range(50)])
+    assert even is not None and even["p99_over_median"] <= 2.0
+    spiked = tail([20.0 + i % 5 for i in range(49)] + [600.0])
+    assert spiked is not None and spiked["p99_over_median"] > 2.0
+
+
+def test_too_few_values_have_no_tail() -> None:
+    assert tail([]) is None and tail([5.0]) is None
