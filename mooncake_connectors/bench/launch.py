@@ -143,37 +143,30 @@ class VllmServer(Server):
         self.model = model
         self.core = core
         self.pin_all = pin_all
-        self.dtype = dtype
-        self.kv_transfer_config = kv_transfer_config
-        self.max_model_len = max_model_len
-        self.args = args
         self.env = env or {}
-
-    def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
+        # Everything of the command line but the port, which is chosen at start.
+        self.engine_args = [
             "--model",
-            str(self.model),
+            str(model),
             "--served-model-name",
             "tiny",
             "--host",
             "127.0.0.1",
-            "--port",
-            str(self.port),
             "--dtype",
-            self.dtype,
+            dtype,
             "--enforce-eager",
             "--max-model-len",
-            str(self.max_model_len),
+            str(max_model_len),
             "--seed",
             "0",
-            *self.args,
+            *args,
         ]
-        if self.kv_transfer_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        return cmd
+        if kv_transfer_config is not None:
+            self.engine_args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+
+    def command(self) -> list[str]:
+        api = "vllm.entrypoints.openai.api_server"
+        return [sys.executable, "-m", api, "--port", str(self.port), *self.engine_args]
 
     def cpus(self) -> set[int] | None:
         # vLLM binds only the worker's compute threads; pin_all adds the API server and the
