@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
+import os
 import signal
 import time
 import urllib.request
@@ -212,3 +215,78 @@ def test_metrics_are_served(meta: MetadataHTTPServer) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_shm_lets_go_of_peer_processes_that_exited(meta: MetadataHTTPServer) -> None:
+    """A long-lived engine whose peers restart (store servers, say) must not keep a pidfd and
+    the memfd mappings of every process it ever reached: the next new peer reaps them."""
+    e = engine(meta.url, transports=("shm",), timeout=10)
+    shm = next(t for t in e.transports if t.name == "shm")
+    buf = e.allocate_buffer(MiB)
+    peers: list[Peer] = []
+    try:
+
+        def pidfds_and_maps() -> tuple[int, int]:
+            links = []
+            for f in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(FileNotFoundError):  # listdir's own descriptor
+                    links.append(os.readlink(f"/proc/self/fd/{f}"))
+            with open("/proc/self/maps") as fh:
+                maps = sum("/memfd:mooncake-connectors" in line for line in fh)
+            return sum("pidfd" in link for link in links), maps
+
+        def held(pid: int) -> bool:
+            return pid in shm._pidfds or any(k[0] == pid for k in shm._maps)  # type: ignore[attr-defined]
+
+        counts = []
+        for i in range(4):
+            p = Peer(metadata=meta.url, transports=["shm"])
+            peers.append(p)
+            remote = p.call("alloc", kind="memfd", size=MiB, seed=i)["addr"]
+            e.read(p.segment, buf.addr, remote, MiB)  # mapped: its pidfd, epoch page, buffer
+            assert np.array_equal(buf.array, pattern(i, MiB))
+            assert held(p.pid)
+            counts.append(pidfds_and_maps())
+            p.kill()  # gone without a word: the engine only learns it at its next contact
+        assert not any(held(p.pid) for p in peers[:-1]), "exited peers are still held"
+        assert counts[-1] == counts[0], counts  # flat, not a pidfd and 2 mappings per dead peer
+        # The last one is reaped at the next contact with it, which fails as the peer did.
+        with pytest.raises(TransferError):
+            e.read(peers[-1].segment, buf.addr, remote, MiB, timeout=2)
+        assert not held(peers[-1].pid)
+    finally:
+        e.close()
+        for p in peers:
+            p.close()
+
+
+def test_a_copy_running_while_its_peer_is_released_keeps_the_mapping(
+    meta: MetadataHTTPServer,
+) -> None:
+    """_forget may run in one thread while another copies from the released peer's memory: the
+    copy's view keeps the mapping until it ends (unmapping under it would crash the process)."""
+    from mooncake_connectors.transfer_core.memory import SharedBuffer
+    from mooncake_connectors.transfer_core.transports.shm import _Mapping
+
+    e = engine(meta.url, transports=("shm",))
+    shm = next(t for t in e.transports if t.name == "shm")
+    src = SharedBuffer(MiB, name="mc-test-released-peer")
+    try:
+        src.array[:] = pattern(7, MiB)
+        pid = os.getpid()
+        m = _Mapping(pid, src.fd, os.fstat(src.fd).st_ino)
+        shm._maps[(pid, src.fd, 0)] = m  # type: ignore[attr-defined]
+        view = memoryview(m.mm)  # what _copy holds during its memmove
+        shm._forget(pid)  # type: ignore[attr-defined]
+        assert (pid, src.fd, 0) not in shm._maps  # type: ignore[attr-defined]
+        out = np.empty(MiB, dtype=np.uint8)
+        ctypes.memmove(out.ctypes.data, m.base, MiB)  # still mapped: no crash, right bytes
+        assert np.array_equal(out, pattern(7, MiB))
+        view.release()
+        del view, m
+        with open("/proc/self/maps") as fh:
+            mapped = sum("mc-test-released-peer" in line for line in fh)
+        assert mapped == 1, "the released mapping outlived its last view"  # src's own only
+    finally:
+        src.close()
+        e.close()

@@ -110,8 +110,12 @@ def epoch_page_at(where: str) -> tuple[int, int, int]:
 
 
 def peer_epoch(page: _Mapping, transport: str) -> int:
-    """The epoch a peer's page holds; OSError once the peer closed that transport."""
-    (epoch,) = struct.unpack_from("<Q", page.mm, 0)
+    """The epoch a peer's page holds; OSError once the peer closed that transport (or its
+    process exited and we released the page)."""
+    try:
+        (epoch,) = struct.unpack_from("<Q", page.mm, 0)
+    except ValueError as exc:  # the mapping was closed: its process is gone
+        raise OSError(errno.ESRCH, f"peer's {transport} epoch page was released") from exc
     if epoch == _CLOSED_EPOCH:
         raise OSError(errno.ESHUTDOWN, f"peer closed its {transport} transport")
     return int(epoch)
@@ -281,6 +285,9 @@ class ShmTransport(Transport):
         poll() on it, so a recycled PID can never receive our bytes."""
         pidfd = self._pidfds.get(peer.pid)
         if pidfd is None:
+            # A new peer process: a good moment to let go of the ones that exited (a restarted
+            # server is a new process; the old one is never contacted again).
+            self._reap_exited()
             _, page_fd, page_inode = epoch_page_at(peer.endpoints["shm"])
             fd = os.pidfd_open(peer.pid)
             try:
@@ -296,7 +303,32 @@ class ShmTransport(Transport):
         # A readable pidfd means the process exited. select() keeps no state, so any number of
         # threads may ask at once (a shared poll object may not be polled concurrently).
         if select.select([pidfd], [], [], 0)[0]:
+            self._forget(peer.pid)
             raise OSError(errno.ESRCH, f"peer process {peer.pid} exited")
+
+    def _reap_exited(self) -> None:
+        with self._lock:
+            known = list(self._pidfds.items())
+        for pid, pidfd in known:
+            try:
+                exited = bool(select.select([pidfd], [], [], 0)[0])
+            except (OSError, ValueError):  # closed meanwhile by another thread's reap
+                exited = True
+            if exited:
+                self._forget(pid)
+
+    def _forget(self, pid: int) -> None:
+        """Release an exited peer process's pidfd and mappings. A copy still running from one
+        of those mappings holds a view of it (see ``_copy``), so the memory stays mapped until
+        that copy ends; later copies find the mapping closed and fail as the peer did."""
+        with self._lock:
+            pidfd = self._pidfds.pop(pid, None)
+            gone = [self._maps.pop(k) for k in [k for k in self._maps if k[0] == pid]]
+            self._denied.pop(pid, None)
+        for m in gone:
+            m.close()
+        if pidfd is not None:
+            os.close(pidfd)
 
     def _work(self) -> None:
         while True:
@@ -336,9 +368,14 @@ class ShmTransport(Transport):
             ctypes.memmove(dst, src, s.length)
         elif region.memfd >= 0:
             m = self._mapping(peer.pid, region.memfd, region.memfd_inode)
-            remote = m.base + region.memfd_offset + (s.remote_addr - region.addr)
-            src, dst = (s.local_addr, remote) if write else (remote, s.local_addr)
-            ctypes.memmove(dst, src, s.length)
+            try:
+                hold = memoryview(m.mm)  # the mapping outlives a concurrent _forget of its peer
+            except ValueError as exc:
+                raise OSError(errno.ESRCH, f"peer process {peer.pid} exited") from exc
+            with hold:
+                remote = m.base + region.memfd_offset + (s.remote_addr - region.addr)
+                src, dst = (s.local_addr, remote) if write else (remote, s.local_addr)
+                ctypes.memmove(dst, src, s.length)
         else:
             process_vm_copy(peer.pid, s.local_addr, s.remote_addr, s.length, write)
 
