@@ -19,6 +19,7 @@ from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import TransferTimeout
 from mooncake_connectors.transfer_core import TransferEngine
 from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
+from mooncake_connectors.types import TransferOp
 
 MiB = 1 << 20
 MARGIN = 1.5  # seconds past a deadline allowed for a loaded machine (the bug cost 5 s and more)
@@ -125,40 +126,48 @@ def test_a_single_copy_get_from_a_stopped_server_is_a_miss_in_about_replica_time
             reader.close()
 
 
-def test_a_peer_stopped_mid_read_costs_the_deadline_not_a_timeout_per_wait(
-    meta: MetadataHTTPServer,
+def stopped_midway(
+    meta: MetadataHTTPServer, op: TransferOp, size: int, slice_size: int, shares: tuple[float, ...]
 ) -> None:
-    """A peer stopped while it streams a large READ: the waits after it stopped get what is
-    left of the deadline (each used to get a fresh socket timeout: twice the deadline)."""
+    """Time ``op`` of ``size`` bytes to a peer stopped at each share of a full transfer's time:
+    every attempt that times out must do so within its 3 s deadline."""
     peer = Peer(metadata=meta.url, transports=["tcp"])
-    size = 256 * MiB
     try:
         remote = peer.call("alloc", kind="numpy", size=size)["addr"]
-        cfg = EngineConfig(metadata=meta.url, transports=("tcp",), slice_size=MiB)
+        cfg = EngineConfig(metadata=meta.url, transports=("tcp",), slice_size=slice_size)
         with TransferEngine(cfg) as e:
-            dst = e.allocate_buffer(size)
+            local = e.allocate_buffer(size)
+            move = e.read if op is TransferOp.READ else e.write
             t0 = time.monotonic()
-            e.read(peer.segment, dst.addr, remote, size, timeout=60)
+            move(peer.segment, local.addr, remote, size, timeout=60)
             full = time.monotonic() - t0
             timed_out = []
-            for share in (0.2, 0.4, 0.6):  # where in the stream the peer stops
+            for share in shares:  # where in the stream the peer stops
                 stop = threading.Timer(full * share, os.kill, (peer.pid, signal.SIGSTOP))
                 stop.start()
                 t0 = time.monotonic()
                 try:
-                    e.read(peer.segment, dst.addr, remote, size, timeout=3.0)
+                    move(peer.segment, local.addr, remote, size, timeout=3.0)
                 except TransferTimeout:
                     timed_out.append(time.monotonic() - t0)
                 stop.join()
                 peer.signal(signal.SIGSTOP)  # (to be sure it is stopped before it continues)
                 peer.signal(signal.SIGCONT)
             if not timed_out:
-                pytest.skip("every read finished before the peer stopped (a very fast machine)")
+                pytest.skip("every transfer finished before the peer stopped (a fast machine)")
             assert max(timed_out) < 3.0 + MARGIN, timed_out
     finally:
         if peer.stopped():
             peer.signal(signal.SIGCONT)
         peer.close()
+
+
+def test_a_peer_stopped_mid_read_costs_the_deadline_not_a_timeout_per_wait(
+    meta: MetadataHTTPServer,
+) -> None:
+    """A peer stopped while it streams a large READ: the waits after it stopped get what is
+    left of the deadline (each used to get a fresh socket timeout: twice the deadline)."""
+    stopped_midway(meta, TransferOp.READ, 256 * MiB, MiB, (0.2, 0.4, 0.6))
 
 
 def test_a_peer_stopped_mid_write_of_one_slice_costs_the_deadline(
@@ -166,32 +175,4 @@ def test_a_peer_stopped_mid_write_of_one_slice_costs_the_deadline(
 ) -> None:
     """A single-slice WRITE (sent from the caller's thread in one sendmsg) to a peer stopped
     while its payload streams: the send and the wait for the answer share the deadline."""
-    peer = Peer(metadata=meta.url, transports=["tcp"])
-    size = 128 * MiB
-    try:
-        remote = peer.call("alloc", kind="numpy", size=size)["addr"]
-        cfg = EngineConfig(metadata=meta.url, transports=("tcp",), slice_size=size)
-        with TransferEngine(cfg) as e:
-            src = e.allocate_buffer(size)
-            t0 = time.monotonic()
-            e.write(peer.segment, src.addr, remote, size, timeout=60)
-            full = time.monotonic() - t0
-            timed_out = []
-            for share in (0.2, 0.5):  # where in the stream the peer stops
-                stop = threading.Timer(full * share, os.kill, (peer.pid, signal.SIGSTOP))
-                stop.start()
-                t0 = time.monotonic()
-                try:
-                    e.write(peer.segment, src.addr, remote, size, timeout=3.0)
-                except TransferTimeout:
-                    timed_out.append(time.monotonic() - t0)
-                stop.join()
-                peer.signal(signal.SIGSTOP)  # (to be sure it is stopped before it continues)
-                peer.signal(signal.SIGCONT)
-            if not timed_out:
-                pytest.skip("every write finished before the peer stopped (a very fast machine)")
-            assert max(timed_out) < 3.0 + MARGIN, timed_out
-    finally:
-        if peer.stopped():
-            peer.signal(signal.SIGCONT)
-        peer.close()
+    stopped_midway(meta, TransferOp.WRITE, 128 * MiB, 128 * MiB, (0.2, 0.5))
