@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import free_port, wait_until
 
+from mooncake_connectors.bench.procs import mooncake_master_argv
 from mooncake_connectors.compat import MooncakeDistributedStore as OurStore
 from mooncake_connectors.compat import ReplicateConfig as OurConfig
 from mooncake_connectors.store import Master, MasterConfig
@@ -113,16 +114,7 @@ def mooncake_master() -> Iterator[tuple[str, str]]:
         pytest.skip("Mooncake wheel not installed (pip install mooncake-transfer-engine-non-cuda)")
     rpc, metrics, http = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
-        [
-            binary,
-            f"--rpc_port={rpc}",
-            "--rpc_address=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--metrics_host=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-        ],
+        mooncake_master_argv(binary, rpc, metrics, http),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

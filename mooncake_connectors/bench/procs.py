@@ -68,6 +68,20 @@ sys.stdin.read()
 """
 
 
+def mooncake_master_argv(binary: str, rpc: int, metrics: int, http: int) -> list[str]:
+    """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server (at ``/metadata``)."""
+    return [
+        binary,
+        f"--rpc_port={rpc}",
+        "--rpc_address=127.0.0.1",
+        f"--metrics_port={metrics}",
+        "--metrics_host=127.0.0.1",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http}",
+    ]
+
+
 def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tuple[str, str]:
     """Start Mooncake's own store for a side-by-side run: ``mooncake_master`` (from the wheel,
     with its HTTP metadata server) and a data-owner process contributing ``memory`` bytes, all on
@@ -77,19 +91,7 @@ def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tup
     env = dict(os.environ)
     rpc, metrics, http = _free_port(), _free_port(), _free_port()
     binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    master_proc = _quiet(
-        [
-            binary,
-            f"--rpc_port={rpc}",
-            "--rpc_address=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--metrics_host=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-        ],
-        env,
-    )
+    master_proc = _quiet(mooncake_master_argv(binary, rpc, metrics, http), env)
     procs.append(master_proc)
     _wait_port(rpc, 30, master_proc)
     _wait_port(http, 30, master_proc)
