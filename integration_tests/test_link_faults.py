@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -56,32 +56,35 @@ class TePair:
     def read(self, n: int, timeout: float = TIMEOUT) -> bool:
         """Read n bytes; True when they arrived right, False on a typed error; never a hang."""
         self.dst[:n] = 0
-        t0 = time.monotonic()
-        try:
-            self.client.read(
-                self.target.segment_name, self.dst.ctypes.data, self.src.ctypes.data, n,
-                timeout=timeout,
-            )  # fmt: skip
-        except MooncakeConnectorsError:
-            assert time.monotonic() - t0 < timeout + MARGIN
-            return False
-        assert time.monotonic() - t0 < timeout + MARGIN
-        assert np.array_equal(self.dst[:n], self.src[:n]), "wrong bytes"
-        return True
+        return self._move(self.client.read, self.src, n, timeout, self.dst, self.src)
 
     def write(self, n: int, timeout: float = TIMEOUT) -> bool:
         self.dst[:n] = pattern(n % 251, n)
+        return self._move(self.client.write, self.sink, n, timeout, self.sink, self.dst)
+
+    def _move(
+        self,
+        op: Callable[..., None],
+        remote: np.ndarray,
+        n: int,
+        timeout: float,
+        got: np.ndarray,
+        want: np.ndarray,
+    ) -> bool:
         t0 = time.monotonic()
         try:
-            self.client.write(
-                self.target.segment_name, self.dst.ctypes.data, self.sink.ctypes.data, n,
+            op(
+                self.target.segment_name,
+                self.dst.ctypes.data,
+                remote.ctypes.data,
+                n,
                 timeout=timeout,
-            )  # fmt: skip
+            )
         except MooncakeConnectorsError:
             assert time.monotonic() - t0 < timeout + MARGIN
             return False
         assert time.monotonic() - t0 < timeout + MARGIN
-        assert np.array_equal(self.sink[:n], self.dst[:n]), "wrong bytes"
+        assert np.array_equal(got[:n], want[:n]), "wrong bytes"
         return True
 
     def close(self) -> None:
