@@ -18,10 +18,9 @@ import os
 import queue
 import socket
 import ssl
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 from ...errors import (
@@ -41,6 +40,7 @@ from ..descriptor import RegionDesc, SegmentDesc
 from ..transport import Slice, Transport, TransportContext, TransportSettings, load_settings
 from . import wire
 from .staging import Staging
+from .tcp_direct import DirectRunner
 from .tcp_server import TLS_ENDPOINT, TcpServer, _tune
 from .tcp_staged import StagedTcp
 from .tls_stream import TlsStream
@@ -53,8 +53,6 @@ _REQ = wire.REQ
 _REQ_SIZE = wire.REQ.size
 _COALESCE = 64  # most requests one sendmsg carries
 _INLINE_PAYLOAD = 256 * 1024  # WRITE bytes an async submit may send from the caller's thread
-_DIRECT_CHUNK = 512  # requests sent before their answers are read, on a direct connection
-_DIRECT_POOL = 8  # idle direct connections kept per peer
 _HOST_OR_GPU = (LocationKind.CPU, LocationKind.CUDA)
 
 
@@ -159,58 +157,6 @@ def _setup_error(
     return TransportBroken(f"{what}: {exc}", peer=peer, path=path)
 
 
-def frame(batch: Sequence[Slice], ids: Iterator[int]) -> tuple[list[memoryview | bytes], list[int]]:
-    """Request frames (and WRITE payload views) for ``batch``, with fresh request ids."""
-    bufs: list[memoryview | bytes] = []
-    rids: list[int] = []
-    for b in batch:
-        rid = next(ids)
-        rids.append(rid)
-        if b.op is TransferOp.WRITE:
-            bufs.append(
-                wire.REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, b.remote_addr, b.length)
-            )
-            bufs.append(b.local_view())
-        else:
-            bufs.append(
-                wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ, 0, 0, rid, b.remote_addr, b.length)
-            )
-    return bufs, rids
-
-
-def finish_response(
-    sock: socket.socket,
-    hdr: bytearray,
-    s: Slice,
-    want: int,
-    peer: str,
-    path: str,
-    progress: Callable[[], object] | None = None,
-) -> MooncakeConnectorsError | None:
-    """Given a response header already in ``hdr``, read the rest for ``s`` (READ data lands in
-    place). Returns the peer's error, if any; raises ProtocolError/OSError on a broken stream."""
-    magic, status, _, _, rid, length = wire.RESP.unpack(hdr)
-    if magic != wire.RESP_MAGIC or rid != want:
-        raise ProtocolError(f"bad response frame (id {rid}, expected {want})", peer=peer, path=path)
-    if status == wire.ST_OK:
-        if s.op is TransferOp.READ:
-            if length != s.length:
-                raise ProtocolError("READ answered with a wrong length", peer=peer, path=path)
-            view = s.local_view()
-            # Common case in one syscall; recv_exact only when the kernel splits it.
-            k = sock.recv_into(view, length, _WAITALL) if length else 0
-            if k != length:
-                if k and progress is not None:  # the next wait gets what is left, no more
-                    progress()
-                wire.recv_exact(sock, view[k:] if k else view, progress)
-        return None
-    if length > wire.MAX_ERROR_MESSAGE:
-        raise ProtocolError("oversized error message", peer=peer, path=path)
-    msg = bytearray(length)
-    wire.recv_exact(sock, memoryview(msg))
-    return wire.error_from_status(status, msg.decode(errors="replace"), peer=peer, path=path)
-
-
 class _Lane:
     """One connection to one peer, with its sender and receiver threads."""
 
@@ -272,7 +218,7 @@ class _Lane:
                 b.complete(self.broken)
             return
         with self.lock:
-            bufs, rids = frame(batch, self.ids)
+            bufs, rids = wire.frame(batch, self.ids)
             self.inflight.extend(zip(rids, batch, strict=True))
         try:
             wire.sendmsg_all(sock, bufs)
@@ -319,7 +265,7 @@ class _Lane:
                             "response without a request", peer=self.peer, path=self.path
                         )
                     want, s = self.inflight[0]
-                err = finish_response(sock, hdr, s, want, self.peer, self.path)
+                err = wire.finish_response(sock, hdr, s, want, self.peer, self.path)
                 with self.lock:
                     self.inflight.popleft()
                 s.complete(err)
@@ -349,91 +295,14 @@ class _Lane:
             self.sock.close()
 
 
-class _Direct:
-    """A connection driven by one waiting caller at a time: send a chunk, read its answers."""
-
-    def __init__(self, sock: socket.socket, path: str) -> None:
-        self.sock = sock
-        self.path = path
-        self.ids = itertools.count(1)
-        self.hdr = bytearray(wire.RESP.size)
-        self.hv = memoryview(self.hdr)
-        self.timeout = -1.0  # kernel timeout currently set, seconds
-        self.deadline = 0.0  # of the call driving it now (monotonic)
-
-    def bound(self, seconds: float) -> None:
-        """Bound each send/recv by ``seconds``. Requests in a row have nearly equal deadlines, so
-        the two setsockopt calls are skipped while the bound already set is within [-1 s, +0.25 s]
-        of the wanted one (0.25 s: the watchdog's own granularity)."""
-        if -0.25 < seconds - self.timeout < 1.0:
-            return
-        _kernel_timeout(self.sock, seconds)
-        self.timeout = max(seconds, 0.001)
-
-    def rebound(self) -> None:
-        """Bound the next send/recv by what is left of ``deadline``; TimeoutError if nothing."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request's deadline passed")
-        self.bound(left)
-
-
-def _exchange_one(conn: _Direct, s: Slice, peer: str) -> MooncakeConnectorsError | None:
-    """One slice on a direct connection: what ``frame`` and the chunk loop of ``_run_direct``
-    do, without their lists (the common synchronous request)."""
-    sock = conn.sock
-    s.path = conn.path
-    conn.bound(conn.deadline - time.monotonic())
-    rid = next(conn.ids)
-    if s.op is TransferOp.WRITE:
-        head = _REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, s.remote_addr, s.length)
-        payload = s.local_view()
-        sent = sock.sendmsg((head, payload))
-        if sent != _REQ_SIZE + s.length:
-            rest: list[memoryview | bytes] = (
-                [head[sent:], payload] if sent < _REQ_SIZE else [payload[sent - _REQ_SIZE :]]
-            )
-            conn.rebound()
-            wire.sendmsg_all(sock, rest, conn.rebound)
-    else:
-        head = _REQ.pack(wire.REQ_MAGIC, wire.OP_READ, 0, 0, rid, s.remote_addr, s.length)
-        sent = sock.send(head)
-        if sent != _REQ_SIZE:
-            conn.rebound()
-            wire.sendmsg_all(sock, [memoryview(head)[sent:]], conn.rebound)
-    conn.rebound()  # the wait gets what is left of the deadline, no more
-    k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
-    if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
-        wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
-    return finish_response(sock, conn.hdr, s, rid, peer, conn.path, conn.rebound)
-
-
-def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
-    """Bound each blocking send/recv by the kernel (SO_RCVTIMEO/SO_SNDTIMEO). Python's own
-    ``settimeout`` would switch the socket to non-blocking mode plus poll() before every call,
-    which splits MSG_WAITALL receives and costs tens of microseconds per request."""
-    seconds = max(seconds, 0.001)
-    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def _chunks(slices: Sequence[Slice]) -> Iterator[Sequence[Slice]]:
-    """Runs of one op, at most _DIRECT_CHUNK long. Mixing a big WRITE after a READ in one chunk
-    could deadlock (both sides blocked sending); within a run one direction carries only
-    headers, which the socket buffers absorb."""
-    start = 0
-    for i in range(1, len(slices) + 1):
-        if i == len(slices) or slices[i].op is not slices[start].op or i - start >= _DIRECT_CHUNK:
-            yield slices[start:i]
-            start = i
-
-
 class TcpSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     """``transport_settings["tcp"]``. lanes: connections per peer (default: the engine's
-    ``tcp_lanes``)."""
+    ``tcp_lanes``). A synchronous transfer of ``stripe_min`` bytes or more in one direction is
+    cut into ``stripes`` portions moved on as many connections at once (1: never)."""
 
     lanes: int | None = None
+    stripes: int = 2
+    stripe_min: int = 16 << 20
     # GPU memory crosses tcp through a pool of pinned host buffers: this many, of this size.
     staging_chunk: int = 1 << 20
     staging_buffers: int = 16
@@ -443,6 +312,10 @@ class TcpSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"tcp lanes must be in 1..64, got {self.lanes}", transport="tcp")
         if not 4096 <= self.staging_chunk <= 1 << 30:
             raise ConfigError("tcp staging_chunk must be in 4 KiB..1 GiB", transport="tcp")
+        if not 1 <= self.stripes <= 16:
+            raise ConfigError(f"tcp stripes must be in 1..16, got {self.stripes}", transport="tcp")
+        if self.stripe_min < 64 * 1024:
+            raise ConfigError("tcp stripe_min must be at least 64 KiB", transport="tcp")
         if not 1 <= self.staging_buffers <= 1024:
             raise ConfigError("tcp staging_buffers must be in 1..1024", transport="tcp")
 
@@ -459,7 +332,11 @@ class TcpTransport(Transport):
         self._staged = StagedTcp(self, self._staging, self._lane_count)
         self._server: TcpServer | None = None
         self._lanes: dict[tuple[str, int], _Lane] = {}
-        self._idle: dict[tuple[str, str], list[_Direct]] = {}
+        self._direct = DirectRunner(
+            lambda peer, addr, path, deadline: open_connection(ctx, peer, addr, path, deadline),
+            self.settings.stripes,
+            self.settings.stripe_min,
+        )
         self._lock = threading.Lock()
         self._closed = False
 
@@ -555,80 +432,8 @@ class TcpTransport(Transport):
     def _run_direct(
         self, peer: SegmentDesc, addr: str, slices: Sequence[Slice], report: bool = True
     ) -> MooncakeConnectorsError | None:
-        """The caller waits anyway: drive a pooled connection from its thread, as a plain
-        request/response socket loop would, with no thread handoff. Socket timeouts follow the
-        earliest deadline, so this returns by then (plus one syscall) at the latest.
-
-        Each slice's outcome goes to its ``complete``; with ``report`` False (one slice) it is
-        returned instead."""
-        key = (peer.name, addr)
-        # an engine's batch shares one deadline; a retried slice comes alone
-        deadline = slices[0].deadline if len(slices) == 1 else min(s.deadline for s in slices)
-        with self._lock:
-            pool = self._idle.get(key)
-            conn = pool.pop() if pool else None
-        if conn is None:
-            path = f"tcp {addr} direct"
-            try:
-                sock = open_connection(self.ctx, peer.name, addr, path, deadline)
-            except MooncakeConnectorsError as exc:
-                if not report:
-                    return exc
-                for s in slices:
-                    s.complete(exc)
-                return None
-            conn = _Direct(sock, path)
-        conn.deadline = deadline
-        done = 0
-        err: MooncakeConnectorsError | None = None
-        result: MooncakeConnectorsError | None = None
-        sock = conn.sock
-        try:
-            if len(slices) == 1:
-                result = _exchange_one(conn, slices[0], peer.name)
-                done = 1
-                if report:
-                    slices[0].complete(result)
-            else:
-                for chunk in _chunks(slices):
-                    for s in chunk:
-                        s.path = conn.path
-                    conn.bound(deadline - time.monotonic())
-                    bufs, rids = frame(chunk, conn.ids)
-                    wire.sendmsg_all(sock, bufs, conn.rebound)
-                    for s, rid in zip(chunk, rids, strict=True):
-                        conn.rebound()  # each wait gets what is left of the deadline, no more
-                        k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
-                        if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: raises)
-                            wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
-                        result = finish_response(
-                            sock, conn.hdr, s, rid, peer.name, conn.path, conn.rebound
-                        )
-                        done += 1
-                        if report:
-                            s.complete(result)
-        except (TimeoutError, BlockingIOError):
-            err = TransferTimeout(
-                "deadline passed on a direct tcp connection", peer=peer.name, path=conn.path
-            )
-        except (OSError, ConnectionError) as exc:
-            err = TransportBroken(f"connection lost: {exc}", peer=peer.name, path=conn.path)
-        except MooncakeConnectorsError as exc:
-            err = exc
-        if err is not None:
-            sock.close()
-            if not report:
-                return err
-            for s in slices[done:]:
-                s.complete(err)
-            return None
-        with self._lock:
-            pool = self._idle.setdefault(key, [])
-            if self._closed or len(pool) >= _DIRECT_POOL:
-                sock.close()
-            else:
-                pool.append(conn)
-        return result
+        """The caller waits anyway: drive pooled connections from its thread (``tcp_direct``)."""
+        return self._direct.run(peer, addr, slices, report)
 
     def _forget(self, lane: _Lane) -> None:
         with self._lock:
@@ -649,10 +454,7 @@ class TcpTransport(Transport):
         with self._lock:
             self._closed = True
             lanes = list(self._lanes.values())
-            idle = [c for pool in self._idle.values() for c in pool]
-            self._idle.clear()
-        for c in idle:
-            c.sock.close()
+        self._direct.close()
         for ln in lanes:
             ln.close()
         self._staged.close()

@@ -32,6 +32,7 @@ from ..descriptor import SegmentDesc
 from ..transport import Slice
 from . import wire
 from .staging import Staging, receiver, sender
+from .tcp_direct import kernel_timeout
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
@@ -127,13 +128,11 @@ class StagedTcp:
         s.complete(err)
 
     def _move(self, peer: SegmentDesc, s: Slice) -> MooncakeConnectorsError | None:
-        from .tcp import _kernel_timeout
-
         sock = self._sock(peer, s.deadline)
         left = s.deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("deadline passed before sending", peer=peer.name)
-        _kernel_timeout(sock, left)
+        kernel_timeout(sock, left)
         pipe = self.staging.pipe(s.local_device)
         rid = next(_ids)
         write = s.op is TransferOp.WRITE

@@ -27,9 +27,16 @@ import hmac
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from ...errors import AccessViolation, MooncakeConnectorsError, ProtocolError, TransportBroken
+from ...types import TransferOp
+
+if TYPE_CHECKING:
+    from ..transport import Slice
+
+_WAITALL = socket.MSG_WAITALL
 
 MAGIC = b"MCCT"
 HELLO = struct.Struct("<4sHHI16s")
@@ -189,3 +196,51 @@ def error_from_status(
     return TransportBroken(
         f"peer failed the request (status {status}): {message}", peer=peer, path=path
     )
+
+
+def frame(batch: Sequence[Slice], ids: Iterator[int]) -> tuple[list[memoryview | bytes], list[int]]:
+    """Request frames (and WRITE payload views) for ``batch``, with fresh request ids."""
+    bufs: list[memoryview | bytes] = []
+    rids: list[int] = []
+    for b in batch:
+        rid = next(ids)
+        rids.append(rid)
+        if b.op is TransferOp.WRITE:
+            bufs.append(REQ.pack(REQ_MAGIC, OP_WRITE, 0, 0, rid, b.remote_addr, b.length))
+            bufs.append(b.local_view())
+        else:
+            bufs.append(REQ.pack(REQ_MAGIC, OP_READ, 0, 0, rid, b.remote_addr, b.length))
+    return bufs, rids
+
+
+def finish_response(
+    sock: socket.socket,
+    hdr: bytearray,
+    s: Slice,
+    want: int,
+    peer: str,
+    path: str,
+    progress: Callable[[], object] | None = None,
+) -> MooncakeConnectorsError | None:
+    """Given a response header already in ``hdr``, read the rest for ``s`` (READ data lands in
+    place). Returns the peer's error, if any; raises ProtocolError/OSError on a broken stream."""
+    magic, status, _, _, rid, length = RESP.unpack(hdr)
+    if magic != RESP_MAGIC or rid != want:
+        raise ProtocolError(f"bad response frame (id {rid}, expected {want})", peer=peer, path=path)
+    if status == ST_OK:
+        if s.op is TransferOp.READ:
+            if length != s.length:
+                raise ProtocolError("READ answered with a wrong length", peer=peer, path=path)
+            view = s.local_view()
+            # Common case in one syscall; recv_exact only when the kernel splits it.
+            k = sock.recv_into(view, length, _WAITALL) if length else 0
+            if k != length:
+                if k and progress is not None:  # the next wait gets what is left, no more
+                    progress()
+                recv_exact(sock, view[k:] if k else view, progress)
+        return None
+    if length > MAX_ERROR_MESSAGE:
+        raise ProtocolError("oversized error message", peer=peer, path=path)
+    msg = bytearray(length)
+    recv_exact(sock, memoryview(msg))
+    return error_from_status(status, msg.decode(errors="replace"), peer=peer, path=path)
