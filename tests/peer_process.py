@@ -89,6 +89,13 @@ def main() -> None:
                         for c in list(server.conns):
                             c.shutdown(2)
                 reply = {}
+            elif cmd == "connections":  # accepted connections open now, per transport
+                assert engine is not None
+                reply = {
+                    t.name: len(t._server.conns)
+                    for t in engine.transports
+                    if getattr(t, "_server", None) is not None
+                }
             elif cmd == "quit":
                 if engine is not None:
                     engine.close()

@@ -186,6 +186,7 @@ class DirectRunner:
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._workers = 0
+        self.threads: list[threading.Thread] = []  # the stripe workers started (for tests)
         self._closed = False
 
     def run(
@@ -211,8 +212,12 @@ class DirectRunner:
             closed = self._closed
             start = 0 if closed else max(0, len(jobs) - self._workers)
             self._workers += start
-        for i in range(start):
-            threading.Thread(target=self._work, name=f"mc-tcp-stripe-{i}", daemon=True).start()
+        for _ in range(start):
+            worker = threading.Thread(
+                target=self._work, name=f"mc-tcp-stripe-{len(self.threads)}", daemon=True
+            )
+            self.threads.append(worker)
+            worker.start()
         for job in jobs:
             self._jobs.put(job)
         self.run_on(peer, addr, parts[0])
