@@ -56,6 +56,7 @@ from .messages import (
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE = 16 << 20  # far above a layout or a push target of 10^5 blocks
+_AUTH_STOP = 5.0  # seconds close() waits for the ZAP authenticator to stop
 
 
 class SideChannelServer:
@@ -178,9 +179,26 @@ class SideChannelServer:
         return identity.bytes, payload.bytes
 
     def _close_auth(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()
-            self._ctx.term()
+        """Stop the ZAP thread and end our context, waiting ``_AUTH_STOP`` seconds at most:
+        pyzmq's ``stop`` joins its thread and ``term`` waits for every socket, both unbounded."""
+        auth, ctx = self._auth, self._ctx
+        if auth is None:
+            return
+        self._auth = None
+
+        def stop() -> None:
+            auth.stop()
+            ctx.term()
+
+        worker = threading.Thread(target=stop, name="mc-pd-zap-stop", daemon=True)
+        worker.start()
+        worker.join(_AUTH_STOP)
+        if worker.is_alive():
+            log.warning(
+                "the side channel's authenticator did not stop within %.0f s; left to end "
+                "with the process",
+                _AUTH_STOP,
+            )
 
     def close(self) -> None:
         self._stop.set()

@@ -133,3 +133,15 @@ def test_a_curve_client_refuses_a_plaintext_endpoint(ids: dict[str, CurveIdentit
     finally:
         client.close()
         srv.close()
+
+
+def test_close_ends_the_authenticator_and_the_context(ids: dict[str, CurveIdentity]) -> None:
+    layout = WorkerLayout("eng", 0, 1, "seg", "", 32, "bf16", [LayerLayout("l", 1, 2, 2, 4)])
+    srv = SideChannelServer("127.0.0.1", 0, lambda: layout, lambda _: None, curve=ids["prefill"])
+    served(srv, ids)
+    zap = srv._auth.thread
+    assert zap.is_alive()
+    srv.close()  # bounded: stop() and term() run on a helper that close() waits for 5 s at most
+    assert not zap.is_alive()
+    assert srv._ctx.closed
+    srv.close()  # a second close is harmless
