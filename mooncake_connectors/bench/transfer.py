@@ -10,6 +10,8 @@ Every system walks the same way through a span of the largest size (each op touc
 block), so none is measured on one cache-hot address.
   * ``raw_socket``: a Python request/response loop over one loopback TCP socket with
     ``sendall``/``recv_into`` (the ceiling a TCP design in Python can hope for);
+  * ``ours_tcp_one_stream``: the tcp transport with striping off (``stripes`` 1), beside
+    ``ours_tcp``, which stripes transfers of 16 MiB and more over two connections;
   * ``ours_tcp_tls`` (``--tls``): the tcp transport over mutual TLS, both ends holding
     certificates from a fresh ``certs init`` CA, against a second target of ours;
   * ``mooncake_tcp``: Mooncake's own TransferEngine (tcp protocol, P2PHANDSHAKE) when its wheel is
@@ -223,6 +225,11 @@ def run_transfer_benchmark(
                 )
         for t in transports:
             engines[t] = TransferEngine(EngineConfig(metadata=meta.url, transports=(t,))).start()
+        if "tcp" in transports:  # what striping large transfers over connections buys
+            one = EngineConfig(
+                metadata=meta.url, transports=("tcp",), transport_settings={"tcp": {"stripes": 1}}
+            )
+            engines["tcp_one_stream"] = TransferEngine(one).start()
         if tls:
             import tempfile
 
@@ -411,6 +418,8 @@ def run_transfer_benchmark(
         r: dict[str, float] = {}
         if row.get("ours_tcp_tls") and row.get("ours_tcp"):
             r["tcp_tls_vs_tcp"] = round(row["ours_tcp_tls"] / row["ours_tcp"], 2)
+        if row.get("ours_tcp_one_stream") and row.get("ours_tcp"):
+            r["tcp_vs_tcp_one_stream"] = round(row["ours_tcp"] / row["ours_tcp_one_stream"], 2)
         for t in transports:
             ours = row.get(f"ours_{t}")
             if ours is None:

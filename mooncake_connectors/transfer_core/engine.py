@@ -16,16 +16,14 @@ TransferTimeout and its lane is torn down so no late bytes land in memory the ca
 from __future__ import annotations
 
 import bisect
-import contextlib
 import heapq
 import itertools
 import logging
-import operator
 import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..config import EngineConfig, is_loopback
 from ..errors import (
@@ -42,6 +40,7 @@ from ..errors import (
 )
 from ..types import Access, LocationKind, TransferOp, TransferStatus, parse_location
 from . import metrics
+from .batch import Batch, TransferRequest, check_request, with_ops
 from .descriptor import (
     ENGINE_REGION_FIELDS,
     ENGINE_SEGMENT_FIELDS,
@@ -63,142 +62,6 @@ _WRITE = int(Access.WRITE)
 _CPU = LocationKind.CPU
 _CUDA = LocationKind.CUDA
 _WATCH_PERIOD = 0.25  # seconds; deadlines are enforced within this granularity
-
-
-class TransferRequest(NamedTuple):
-    """One one-sided transfer: READ copies remote → local, WRITE local → remote."""
-
-    op: TransferOp
-    target: str
-    local_addr: int
-    remote_addr: int
-    length: int
-
-
-def _with_ops(requests: Sequence[TransferRequest]) -> Sequence[TransferRequest]:
-    """``requests`` with every op a TransferOp (a plain 0/1 becomes READ/WRITE: the data path
-    compares ops by identity); an op that names no operation stays, for ``_plan`` to refuse."""
-    for r in requests:
-        if type(r.op) is not TransferOp:
-            break
-    else:
-        return requests
-    out = list(requests)
-    for i, r in enumerate(out):
-        if type(r.op) is not TransferOp:
-            with contextlib.suppress(ValueError, TypeError):
-                out[i] = r._replace(op=TransferOp(r.op))
-    return out
-
-
-def _check_request(req: TransferRequest) -> None:
-    """Refuse (ConfigError) a request whose fields are not of the types the data path uses."""
-    if not isinstance(req.target, str):
-        raise ConfigError(f"target must be a segment name, got {type(req.target).__name__}")
-    try:
-        req.target.encode()
-    except UnicodeEncodeError as exc:
-        raise ConfigError(f"segment name {req.target!r} is not valid UTF-8: {exc.reason}") from None
-    for name in ("local_addr", "remote_addr", "length"):
-        value = getattr(req, name)
-        try:
-            operator.index(value)
-        except TypeError:
-            raise ConfigError(f"{name} must be an int, got {type(value).__name__}") from None
-
-
-class Batch:
-    """Requests submitted together; completion is waited on with a deadline."""
-
-    def __init__(self, requests: Sequence[TransferRequest], deadline: float) -> None:
-        self.requests = list(requests)
-        self.deadline = deadline
-        n = len(self.requests)
-        self._status = [TransferStatus.PENDING] * n
-        self._errors: list[MooncakeConnectorsError | None] = [None] * n
-        self._left = [0] * n
-        self._pending = n
-        self._failed = 0  # requests finished with an error
-        self._lock = threading.Lock()
-        self._event: threading.Event | None = None  # made only if someone must block
-        self._t0 = time.perf_counter()
-
-    # -- engine side ------------------------------------------------------------------------
-    def _finish(self, i: int, status: TransferStatus, err: MooncakeConnectorsError | None) -> None:
-        # caller holds self._lock
-        if self._status[i] is not TransferStatus.PENDING:
-            return
-        self._status[i] = status
-        if err is not None:
-            self._errors[i] = err
-            self._failed += 1
-        op = self.requests[i].op
-        # ``_name_``, not ``name``: the enum property costs more than the rest of this method
-        name = op._name_ if isinstance(op, TransferOp) else "INVALID"  # a request refused as such
-        metrics.finished(name, status._name_, time.perf_counter() - self._t0)
-        self._pending -= 1
-        if self._pending == 0 and self._event is not None:
-            self._event.set()
-
-    def _slice_done(self, i: int, err: MooncakeConnectorsError | None) -> None:
-        with self._lock:
-            self._left[i] -= 1
-            if err is not None:
-                status = (
-                    TransferStatus.TIMEOUT
-                    if isinstance(err, TransferTimeout)
-                    else TransferStatus.FAILED
-                )
-                self._finish(i, status, err)
-            elif self._left[i] == 0:
-                self._finish(i, TransferStatus.COMPLETED, None)
-
-    def _fail(self, i: int, err: MooncakeConnectorsError) -> None:
-        with self._lock:
-            self._finish(i, TransferStatus.FAILED, err)
-
-    # -- caller side ------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every request finished or ``timeout`` passed; True when all finished.
-
-        Without ``timeout`` this waits until the batch's own deadline (plus a small grace for the
-        watchdog to fail what is still in flight) — never forever.
-        """
-        with self._lock:
-            if self._pending == 0:
-                return True
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        if timeout is None:
-            timeout = max(0.0, self.deadline - time.monotonic()) + 1.0
-        return event.wait(timeout)
-
-    def done(self) -> bool:
-        return self._pending == 0
-
-    @property
-    def statuses(self) -> list[TransferStatus]:
-        with self._lock:
-            return list(self._status)
-
-    @property
-    def errors(self) -> list[MooncakeConnectorsError | None]:
-        with self._lock:
-            return list(self._errors)
-
-    def raise_for_status(self) -> None:
-        """Raise the first request's error (TransferTimeout if any is still pending)."""
-        if self._pending == 0 and self._failed == 0:  # the common case, without the lock
-            return
-        with self._lock:
-            for i, st in enumerate(self._status):
-                if st is TransferStatus.PENDING:
-                    r = self.requests[i]
-                    raise TransferTimeout("request still pending", peer=r.target, index=i)
-            for err in self._errors:
-                if err is not None:
-                    raise err
 
 
 class _PeerView:
@@ -549,7 +412,7 @@ class TransferEngine:
         if not self._started or self._closed:
             raise TransportClosed("engine is not running")
         deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
-        batch = Batch(_with_ops(requests), deadline)
+        batch = Batch(with_ops(requests), deadline)
         groups: dict[tuple[int, str], tuple[Transport, SegmentDesc, list[_Slice]]] = {}
         slice_size = self.config.slice_size
         for i, req in enumerate(batch.requests):
@@ -603,11 +466,11 @@ class TransferEngine:
             raise ConfigError(f"unknown transfer op {op!r}: expected a TransferOp")
         length = req.length
         if type(length) is not int or type(req.local_addr) is not int:
-            _check_request(req)
+            check_request(req)
         if type(req.remote_addr) is not int or type(req.target) is not str:
-            _check_request(req)
+            check_request(req)
         if not req.target.isascii():
-            _check_request(req)
+            check_request(req)
         if length < 0 or req.local_addr < 0 or req.remote_addr < 0:
             raise ConfigError(f"negative address or length in {req}")
         local = None
