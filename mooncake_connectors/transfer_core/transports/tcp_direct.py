@@ -221,6 +221,7 @@ class DirectRunner:
         for job in jobs:
             self._jobs.put(job)
         self.run_on(peer, addr, parts[0])
+        deadline = min(s.deadline for s in slices)
         for job in jobs:
             with self._lock:
                 mine = not job.claimed
@@ -228,7 +229,7 @@ class DirectRunner:
             if mine:  # no worker got to it: run it here rather than wait
                 self.run_on(peer, addr, job.pieces)
             else:
-                self._await(job, slices[0].deadline)
+                self._await(job, deadline)
         path = f"tcp {addr} direct x{len(parts)}"
         result: MooncakeConnectorsError | None = None
         pieces = iter(p for part in parts for p in part)
