@@ -27,10 +27,8 @@ STRIPES = 3
 
 
 @pytest.fixture
-def meta() -> Iterator[MetadataHTTPServer]:
-    srv = MetadataHTTPServer("127.0.0.1", 0).start()
-    yield srv
-    srv.stop()
+def meta(meta_server: MetadataHTTPServer) -> MetadataHTTPServer:
+    return meta_server
 
 
 @pytest.fixture
