@@ -129,3 +129,15 @@ def split_csv(text: str) -> list[str]:
 
 def split_urls(values: list[str]) -> list[str]:
     return [u.strip() for arg in values for u in arg.split(",") if u.strip()]
+
+
+def serve_until_stopped() -> None:
+    """Block until Ctrl-C or SIGTERM (a foreground service's main thread)."""
+    import signal
+    import threading
+
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        while not done.wait(1.0):
+            pass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -17,6 +16,7 @@ if TYPE_CHECKING:
 from .common import (
     Verbose,
     app,
+    serve_until_stopped,
     setup_logging,
 )
 
@@ -85,17 +85,6 @@ def _p2p_errors(fn: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def _serve_until_stopped() -> None:
-    import signal
-    import threading
-
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    with contextlib.suppress(KeyboardInterrupt):
-        while not done.wait(1.0):
-            pass
-
-
 @p2p_app.command("publish")
 @_p2p_errors
 def p2p_publish(
@@ -133,7 +122,7 @@ def p2p_publish(
             f"{len(m.chunks)} chunks (stop with ^C)"
         )
         sys.stdout.flush()
-        _serve_until_stopped()
+        serve_until_stopped()
     finally:
         node.close()
 
@@ -210,7 +199,7 @@ def p2p_fetch(
         )
         sys.stdout.flush()
         if seed:
-            _serve_until_stopped()
+            serve_until_stopped()
     finally:
         node.close()
 

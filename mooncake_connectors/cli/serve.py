@@ -16,6 +16,7 @@ from .common import (
     TlsKey,
     Verbose,
     app,
+    serve_until_stopped,
     setup_logging,
     split_urls,
     tls_files,
@@ -350,9 +351,6 @@ def store_server(
 ) -> None:
     """Contribute memory (and SSD) to the store and hold the data, in the foreground."""
     setup_logging(max(verbose, 1))
-    import signal
-    import threading
-
     from ..config import parse_transports
     from ..store.config import ServerConfig, parse_size
     from ..store.server import StoreServer
@@ -370,12 +368,7 @@ def store_server(
     )
     server = StoreServer(cfg).start()
     typer.echo(json.dumps({"segment": server.segment, "pid": os.getpid()}), err=True)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
-        while not done.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
+        serve_until_stopped()
     finally:
         server.close()
