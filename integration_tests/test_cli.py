@@ -91,6 +91,23 @@ def test_bench_transfer_emits_json() -> None:
     assert "WRITE batch 8x64K" in result["results"]
     assert "tcp_vs_raw_socket" in result["ratios"]["READ 1M"]
     assert row["ours_tcp_tls"] > 0 and "tcp_tls_vs_tcp" in result["ratios"]["READ 1M"]
+    # the tcp transport with striping off, beside it
+    assert row["ours_tcp_one_stream"] > 0 and "tcp_vs_tcp_one_stream" in result["ratios"]["READ 1M"]
+
+
+def test_bench_store_legs_emits_json() -> None:
+    out = subprocess.run(
+        [*CLI, "bench", "store-legs", "--calls", "20", "--rounds", "1", "--no-mooncake"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["benchmark"] == "store-legs"
+    legs = result["results"]
+    assert set(legs) == {"master_round_trip", "data_round_trip", "get", "client_work"}
+    assert all(legs[k] > 0 for k in ("master_round_trip", "data_round_trip", "get"))
 
 
 def test_certs_init_and_a_metadata_server_over_mutual_tls(tmp_path: Path) -> None:

@@ -323,6 +323,32 @@ def bench_store(
     emit(result, output)
 
 
+@bench_app.command("store-legs")
+def bench_store_legs(
+    size: Annotated[str, typer.Option(help="Value size.")] = "4K",
+    calls: Annotated[int, typer.Option(min=10, help="Calls per round and leg.")] = 2000,
+    rounds: Annotated[int, typer.Option(min=1, max=100, help="Measured rounds (+1 warm-up).")] = 5,
+    ours: Annotated[str, typer.Option(help="Our variant: ours-tcp (like for like) or ours.")] = (
+        "ours-tcp"
+    ),
+    mooncake: Annotated[bool, typer.Option(help="Also time Mooncake's get.")] = True,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """Where one small get spends its time: the master round trip, the data round trip, the
+    client's own work; Mooncake's get beside."""
+    setup_logging(verbose)
+    from ..bench.store_legs import run_store_legs
+    from ..errors import ConfigError
+
+    try:
+        result = run_store_legs(size, calls, rounds, ours, mooncake)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    emit(result, output)
+
+
 @bench_app.command("store-memory")
 def bench_store_memory(
     keys: Annotated[int, typer.Option(min=1, help="Keys to commit.")] = 1_000_000,
