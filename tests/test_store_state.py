@@ -257,6 +257,37 @@ def test_a_batch_lands_back_to_back() -> None:
     assert [a for _, a in addrs] == [addrs[0][1] + 4096 * i for i in range(8)]
 
 
+def test_a_batch_placed_as_one_block_frees_key_by_key() -> None:
+    s = make(1, seg=1 * MiB)
+    sizes = [0, 1, 4096, 100, 64, 65]
+    keys = [f"k{i}" for i in range(len(sizes))]
+    codes, stripes = s.put_start(1, keys, sizes, 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK] * len(keys)
+    addrs = [st[0][0][1] for st in stripes]
+    assert addrs == [addrs[0] + sum(aligned(n) for n in sizes[:i]) for i in range(len(sizes))]
+    assert s.used() == sum(aligned(n) for n in sizes)
+    assert s.put_end(1, keys[::2], keys[1::2], 0.0) == [Code.OK] * 3  # the rest revoked
+    assert s.used() == sum(aligned(n) for n in sizes[::2])
+    assert s.remove(keys[::2], True, 0.0) == [Code.OK] * 3
+    alloc = s.segments[1].alloc
+    assert alloc is not None and alloc.used == 0 and alloc.free_blocks() == 1
+
+
+def test_a_batch_that_cannot_be_one_block_is_placed_key_by_key() -> None:
+    s = make(2, seg=64 * 1024)
+    keys = [f"k{i}" for i in range(24)]  # 24 x 4 KiB: more than one segment holds
+    codes, stripes = s.put_start(1, keys, [4096] * 24, 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK] * 24 and len({st[0][0][0] for st in stripes}) == 2
+    assert s.put_end(1, keys, [], 0.0) == [Code.OK] * 24
+    assert all(loc is not None and loc.size == 4096 for loc in s.get(keys, 0.0))
+    assert s.remove(keys, True, 0.0) == [Code.OK] * 24
+    # a key that exists, one being written, one twice: each answered on its own
+    assert put(s, "old", 10) == Code.OK
+    assert s.put_start(2, ["w"], [10], 1, 0, 0, "", 0.0)[0] == [Code.OK]
+    codes, _ = s.put_start(3, ["old", "a", "w", "b", "a"], [10] * 5, 1, 0, 0, "", 0.0)
+    assert codes == [Code.EXISTS, Code.OK, Code.EXISTS, Code.OK, Code.EXISTS]
+
+
 # -- commits retried across a master fail-over ---------------------------------------------------
 def new_leader(**cfg: object) -> MasterState:
     """A fresh leader whose recovery window is over (``settling`` is False at time 0)."""
