@@ -248,6 +248,49 @@ def test_coalesce_merges_only_exact_neighbours() -> None:
     assert len(out) == 4 and sum(r.length for r in out) == sum(r.length for r in reqs)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("ab"), st.booleans(), st.integers(0, 6), st.integers(1, 3)),
+        min_size=0,
+        max_size=12,
+    ),
+    st.booleans(),
+)
+def test_coalesce_moves_exactly_the_bytes_asked_for(
+    spec: list[tuple[str, bool, int, int]], shuffle: bool
+) -> None:
+    """Every byte of every request is moved once by the merged requests (and no other byte),
+    whether the batch comes in order or not."""
+    from mooncake_connectors.store.coalesce import coalesce
+    from mooncake_connectors.transfer_core.engine import TransferRequest
+    from mooncake_connectors.types import TransferOp
+
+    reqs, seen = [], set()
+    for target, write, slot, n in spec:
+        if (target, slot) in seen:
+            continue  # one request per remote slot: no overlapping requests
+        seen.add((target, slot))
+        op = TransferOp.WRITE if write else TransferOp.READ
+        reqs.append(TransferRequest(op, target, 10_000 + slot * 100, 50_000 + slot * 100, n * 100))
+        if n > 1:  # a longer request overlaps the next slots: keep them out
+            seen.update((target, slot + k) for k in range(1, n))
+    if shuffle:
+        random.Random(len(reqs)).shuffle(reqs)
+
+    def moved(rs: list[TransferRequest]) -> set[tuple[object, ...]]:
+        return {
+            (r.op, r.target, r.local_addr + k, r.remote_addr + k)
+            for r in rs
+            for k in range(r.length)
+        }
+
+    out = coalesce(reqs)
+    assert moved(out) == moved(reqs)
+    assert sum(r.length for r in out) == sum(r.length for r in reqs)
+    assert len(out) <= len(reqs)
+
+
 def test_a_batch_lands_back_to_back() -> None:
     s = make(2)
     codes, stripes = s.put_start(1, [f"k{i}" for i in range(8)], [4096] * 8, 1, 0, 0, "", 0.0)
