@@ -357,7 +357,16 @@ class StoreClient:
 
     def get_into(self, key: str, addr: int, size: int) -> int | None:
         """Read ``key`` into registered memory; bytes read, or None on a miss."""
-        out = self.batch_get_into([key], [addr], [size])[0]
+        assert self._reader is not None
+        deadline = self._deadline()
+        locs = self._lookup([key], deadline)
+        loc = locs[0]
+        if loc is not None and loc.size <= size and self._registered(addr, loc.size):
+            err = self._reader.read([(loc, addr)], deadline)[0]  # the common case, direct
+            if err is not None:
+                raise err
+            return loc.size
+        out = self._read_into([key], locs, [addr], [size], deadline)[0]
         if isinstance(out, MooncakeConnectorsError):
             raise out
         return out
@@ -370,9 +379,19 @@ class StoreClient:
             raise ConfigError("keys, addresses and sizes differ in length")
         if not keys:
             return []
-        assert self._reader is not None
         deadline = self._deadline()
-        locs = self._lookup(list(keys), deadline)
+        keys = list(keys)
+        return self._read_into(keys, self._lookup(keys, deadline), addrs, sizes, deadline)
+
+    def _read_into(
+        self,
+        keys: Sequence[str],
+        locs: list[Loc | None],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        deadline: float,
+    ) -> list[int | MooncakeConnectorsError | None]:
+        assert self._reader is not None
         out: list[int | MooncakeConnectorsError | None] = [None] * len(keys)
         todo = []
         for i, loc in enumerate(locs):

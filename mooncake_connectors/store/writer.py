@@ -228,6 +228,18 @@ class Writer:
         """Registered addresses holding each source's bytes, inside the ``with``: registered
         memory as is; large Python buffers registered for the call (``direct``); the rest
         copied into staging."""
+        if len(srcs) == 1 and srcs[0][1] < _MAYBE_REGISTERED:  # one small value (most puts)
+            a, n, what = srcs[0]
+            if what is None or not n:
+                yield [a]
+                return
+            with self.staging.stage([n]) as (addr,):
+                if isinstance(what, Raw):
+                    ctypes.memmove(addr, what.addr, n)
+                else:
+                    view(addr, n)[:] = what  # type: ignore[index,assignment]
+                yield [addr]
+            return
         where = [a for a, _, _ in srcs]
         direct: list[int] = []
         held: list[tuple[int, int]] = []
