@@ -295,16 +295,33 @@ class StoreClient:
 
     def get(self, key: str) -> bytes | None:
         """The value, or None on a miss (an unreadable key also reads as a miss)."""
-        return self.get_batch([key])[0]
+        assert self._reader is not None
+        deadline = self._deadline()
+        locs = self._lookup([key], deadline)
+        loc = locs[0]
+        if loc is None:
+            return None
+        if loc.size >= _DIRECT_MIN and self._direct:
+            return self._values([key], locs, deadline)[0]
+        with self._stage([loc.size]) as (addr,):  # the common small value: one staging slot
+            err = self._reader.read([(loc, addr)], deadline)[0]
+            if err is None:
+                return ctypes.string_at(addr, loc.size) if loc.size else b""
+        log.info("get %r failed, reported as a miss: %s", key, err)
+        return None
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values in order; None for a miss (an unreadable key also reads as a miss)."""
         keys = list(keys)
         if not keys:
             return []
-        assert self._reader is not None
         deadline = self._deadline()
-        locs = self._lookup(keys, deadline)
+        return self._values(keys, self._lookup(keys, deadline), deadline)
+
+    def _values(
+        self, keys: list[str], locs: list[Loc | None], deadline: float
+    ) -> list[bytes | None]:
+        assert self._reader is not None
         found = [(i, loc) for i, loc in enumerate(locs) if loc is not None]
         out: list[bytes | None] = [None] * len(keys)
         if self._direct and found and all(loc.size >= _DIRECT_MIN for _, loc in found):
