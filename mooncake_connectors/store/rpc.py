@@ -41,7 +41,6 @@ from ..tls import (
     server_context,
     wrap_client,
 )
-from ..transfer_core.transports.tcp_direct import kernel_timeout
 from .config import split_hostport
 from .protocol import (
     FLAG_NOTIFY,
@@ -564,14 +563,6 @@ class Channel:
                     sock.close()
                     raise
         self.sock: socket.socket = sock
-        # A plain socket blocks, bounded by the kernel (SO_RCVTIMEO/SO_SNDTIMEO), re-bounded
-        # only when a call's time left differs much: Python's settimeout would cost an ioctl
-        # per call and a poll() before every send and recv. TLS keeps Python's timeouts
-        # (OpenSSL's reads and writes are not one syscall each).
-        self._kernel = not isinstance(sock, ssl.SSLSocket)
-        self._bound = 0.0  # seconds the kernel now bounds a blocking send/recv by (0: unset)
-        if self._kernel:
-            sock.settimeout(None)
         self.rbuf = bytearray()
         self.pushes: collections.deque[Msg] = collections.deque()
         self.closed = False
@@ -653,19 +644,9 @@ class Channel:
             return msg
         return None
 
-    def _limit(self, left: float) -> None:
-        """Bound the next blocking send/recv to about ``left`` seconds (plain sockets)."""
-        bound = self._bound
-        if not left * 0.5 <= bound <= left * 1.01 + 0.001:
-            kernel_timeout(self.sock, left)
-            self._bound = max(left, 0.001)
-
     def _send(self, data: bytes, timeout: float) -> None:
         if self.closed:
             raise ConnectionError(f"channel to {self.address} is closed")
-        if self._kernel:
-            self._send_plain(data, time.monotonic() + timeout)
-            return
         self.sock.settimeout(timeout)
         try:
             self.sock.sendall(data)
@@ -675,22 +656,6 @@ class Channel:
             self.close()
             raise err from exc
         except OSError as exc:
-            self.close()
-            raise ConnectionError(f"send to {self.address} failed: {exc}") from exc
-
-    def _send_plain(self, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"send to {self.address} not done by its deadline")
-                self._limit(left)
-                try:
-                    view = view[self.sock.send(view) :]
-                except BlockingIOError:  # the kernel's bound passed: check the deadline
-                    continue
-        except OSError as exc:  # a timeout too: part of a frame may be out, out of step
             self.close()
             raise ConnectionError(f"send to {self.address} failed: {exc}") from exc
 
@@ -720,14 +685,9 @@ class Channel:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            if self._kernel:
-                self._limit(left)
-            else:
-                self.sock.settimeout(left)
+            self.sock.settimeout(left)
             try:
                 data = self.sock.recv(_RECV)
-            except BlockingIOError:  # the kernel's bound passed: check the deadline
-                continue
             except TimeoutError:
                 return None
             except ssl.SSLError as exc:  # TLS 1.3: a refused certificate shows on the first read
