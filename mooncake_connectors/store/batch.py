@@ -46,7 +46,7 @@ def place_fresh(
             return None
         chars += len(key)
         total += aligned(size)
-    cost = chars + KEY_OVERHEAD * n
+    cost = chars + KEY_OVERHEAD * n  # key_cost of every key, summed
     if st.key_bytes + cost > st.cfg.key_budget or len(set(keys)) != n:
         return None
     start = st._rr

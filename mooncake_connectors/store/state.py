@@ -27,7 +27,6 @@ from .allocator import RangeAllocator, aligned
 from .config import MasterConfig
 from .protocol import Code, Loc, Part, stripe_bounds, stripe_count
 from .records import (
-    KEY_OVERHEAD,
     MASK,
     PIN,
     SHIFT,
@@ -604,7 +603,7 @@ class MasterState:
                 codes.append(Code.PUT_EXPIRED)
                 continue
             del pending[key]
-            self.key_bytes -= len(key) + KEY_OVERHEAD
+            self.key_bytes -= key_cost(key)
             codes.append(self._commit(key, p, now, at_ms))
         return codes
 
@@ -641,7 +640,7 @@ class MasterState:
             if p.ttl_ms:
                 heapq.heappush(self._ttl_heap, (obj.extra.ttl, next(self._seq), key, obj))
         self.objects[key] = obj
-        self.key_bytes += len(key) + KEY_OVERHEAD
+        self.key_bytes += key_cost(key)
         self.note_holdings(key, obj, p.put_id, at_ms)
         self.counters["puts"] += 1
         self.committed(p.put_id, key, at_ms)
