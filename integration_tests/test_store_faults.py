@@ -172,3 +172,35 @@ def test_ssd_tier_spills_serves_back_and_keeps_its_budget(tmp_path: Path) -> Non
     finally:
         s.close()
         m.close()
+
+
+def test_a_batch_read_with_one_copy_on_a_dead_server_loses_only_that_copy() -> None:
+    """One-copy values on two servers, one killed (the master not yet aware): a batch read
+    gets the live server's values whole and a miss (or a typed error) for the dead one's."""
+    import numpy as np
+
+    from mooncake_connectors.errors import ReplicaUnavailable
+
+    with cluster(2, "16M") as (_, servers, c, _):
+        data = {f"k{i}": pattern(i, 4096 + 64 * i).tobytes() for i in range(12)}
+        keys = list(data)
+        for half in (keys[:6], keys[6:]):  # successive batches start on successive servers
+            assert c.put_batch(half, [data[k] for k in half]) == [None] * 6
+        locs = c._lookup(list(data), time.monotonic() + 5)
+        segment = {k: loc.stripes[0][0][0] for k, loc in zip(data, locs, strict=True) if loc}
+        assert len(segment) == len(data) and len(set(segment.values())) == 2
+        servers[0].kill()
+        got = c.get_batch(list(data))
+        dead = {k for k, g in zip(data, got, strict=True) if g is None}
+        assert dead and {segment[k] for k in dead} != set(segment.values())  # one server's
+        assert dead == {k for k in data if segment[k] == segment[next(iter(dead))]}
+        assert all(g == data[k] for k, g in zip(data, got, strict=True) if k not in dead)
+        buf = np.zeros(len(data) * 8192, dtype=np.uint8)
+        c.register_buffer(buf)
+        addrs = [buf.ctypes.data + i * 8192 for i in range(len(data))]
+        out = c.batch_get_into(list(data), addrs, [8192] * len(data))
+        for i, ((k, v), o) in enumerate(zip(data.items(), out, strict=True)):
+            if k in dead:
+                assert isinstance(o, ReplicaUnavailable), (k, o)
+            else:
+                assert o == len(v) and buf[i * 8192 : i * 8192 + len(v)].tobytes() == v, k

@@ -171,3 +171,22 @@ def test_pipelined_requests_are_collected_in_any_order(master: Master) -> None:
         assert not isinstance(ch.call(Exists(["x"]), 5.0), Err)  # and plain calls still work
     finally:
         ch.close()
+
+
+def test_a_silent_or_unread_peer_ends_a_call_at_its_deadline() -> None:
+    """A peer that accepts and never answers, or never reads: the channel gives up by the
+    call's deadline (TimeoutError; a send that cannot finish closes the channel)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        ch = Channel(address, 5.0, local_ipc=False)
+        try:
+            for timeout in (0.2, 0.05, 0.3):  # bounds that shrink and grow between calls
+                with pytest.raises(TimeoutError):
+                    ch.call(Exists(["k"]), timeout)
+            assert not ch.closed
+            huge = Exists([f"{i:06d}" + "x" * 4000 for i in range(4000)])  # a 16 MB frame
+            with pytest.raises(ConnectionError):
+                ch.call(huge, 0.3)
+            assert ch.closed
+        finally:
+            ch.close()

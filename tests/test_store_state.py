@@ -248,6 +248,49 @@ def test_coalesce_merges_only_exact_neighbours() -> None:
     assert len(out) == 4 and sum(r.length for r in out) == sum(r.length for r in reqs)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("ab"), st.booleans(), st.integers(0, 6), st.integers(1, 3)),
+        min_size=0,
+        max_size=12,
+    ),
+    st.booleans(),
+)
+def test_coalesce_moves_exactly_the_bytes_asked_for(
+    spec: list[tuple[str, bool, int, int]], shuffle: bool
+) -> None:
+    """Every byte of every request is moved once by the merged requests (and no other byte),
+    whether the batch comes in order or not."""
+    from mooncake_connectors.store.coalesce import coalesce
+    from mooncake_connectors.transfer_core.engine import TransferRequest
+    from mooncake_connectors.types import TransferOp
+
+    reqs, seen = [], set()
+    for target, write, slot, n in spec:
+        if (target, slot) in seen:
+            continue  # one request per remote slot: no overlapping requests
+        seen.add((target, slot))
+        op = TransferOp.WRITE if write else TransferOp.READ
+        reqs.append(TransferRequest(op, target, 10_000 + slot * 100, 50_000 + slot * 100, n * 100))
+        if n > 1:  # a longer request overlaps the next slots: keep them out
+            seen.update((target, slot + k) for k in range(1, n))
+    if shuffle:
+        random.Random(len(reqs)).shuffle(reqs)
+
+    def moved(rs: list[TransferRequest]) -> set[tuple[object, ...]]:
+        return {
+            (r.op, r.target, r.local_addr + k, r.remote_addr + k)
+            for r in rs
+            for k in range(r.length)
+        }
+
+    out = coalesce(reqs)
+    assert moved(out) == moved(reqs)
+    assert sum(r.length for r in out) == sum(r.length for r in reqs)
+    assert len(out) <= len(reqs)
+
+
 def test_a_batch_lands_back_to_back() -> None:
     s = make(2)
     codes, stripes = s.put_start(1, [f"k{i}" for i in range(8)], [4096] * 8, 1, 0, 0, "", 0.0)
@@ -255,6 +298,37 @@ def test_a_batch_lands_back_to_back() -> None:
     addrs = [st[0][0] for st in stripes]
     assert len({seg for seg, _ in addrs}) == 1
     assert [a for _, a in addrs] == [addrs[0][1] + 4096 * i for i in range(8)]
+
+
+def test_a_batch_placed_as_one_block_frees_key_by_key() -> None:
+    s = make(1, seg=1 * MiB)
+    sizes = [0, 1, 4096, 100, 64, 65]
+    keys = [f"k{i}" for i in range(len(sizes))]
+    codes, stripes = s.put_start(1, keys, sizes, 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK] * len(keys)
+    addrs = [st[0][0][1] for st in stripes]
+    assert addrs == [addrs[0] + sum(aligned(n) for n in sizes[:i]) for i in range(len(sizes))]
+    assert s.used() == sum(aligned(n) for n in sizes)
+    assert s.put_end(1, keys[::2], keys[1::2], 0.0) == [Code.OK] * 3  # the rest revoked
+    assert s.used() == sum(aligned(n) for n in sizes[::2])
+    assert s.remove(keys[::2], True, 0.0) == [Code.OK] * 3
+    alloc = s.segments[1].alloc
+    assert alloc is not None and alloc.used == 0 and alloc.free_blocks() == 1
+
+
+def test_a_batch_that_cannot_be_one_block_is_placed_key_by_key() -> None:
+    s = make(2, seg=64 * 1024)
+    keys = [f"k{i}" for i in range(24)]  # 24 x 4 KiB: more than one segment holds
+    codes, stripes = s.put_start(1, keys, [4096] * 24, 1, 0, 0, "", 0.0)
+    assert codes == [Code.OK] * 24 and len({st[0][0][0] for st in stripes}) == 2
+    assert s.put_end(1, keys, [], 0.0) == [Code.OK] * 24
+    assert all(loc is not None and loc.size == 4096 for loc in s.get(keys, 0.0))
+    assert s.remove(keys, True, 0.0) == [Code.OK] * 24
+    # a key that exists, one being written, one twice: each answered on its own
+    assert put(s, "old", 10) == Code.OK
+    assert s.put_start(2, ["w"], [10], 1, 0, 0, "", 0.0)[0] == [Code.OK]
+    codes, _ = s.put_start(3, ["old", "a", "w", "b", "a"], [10] * 5, 1, 0, 0, "", 0.0)
+    assert codes == [Code.EXISTS, Code.OK, Code.EXISTS, Code.OK, Code.EXISTS]
 
 
 # -- commits retried across a master fail-over ---------------------------------------------------

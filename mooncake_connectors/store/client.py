@@ -295,16 +295,33 @@ class StoreClient:
 
     def get(self, key: str) -> bytes | None:
         """The value, or None on a miss (an unreadable key also reads as a miss)."""
-        return self.get_batch([key])[0]
+        assert self._reader is not None
+        deadline = self._deadline()
+        locs = self._lookup([key], deadline)
+        loc = locs[0]
+        if loc is None:
+            return None
+        if loc.size >= _DIRECT_MIN and self._direct:
+            return self._values([key], locs, deadline)[0]
+        with self._stage([loc.size]) as (addr,):  # the common small value: one staging slot
+            err = self._reader.read([(loc, addr)], deadline)[0]
+            if err is None:
+                return ctypes.string_at(addr, loc.size) if loc.size else b""
+        log.info("get %r failed, reported as a miss: %s", key, err)
+        return None
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values in order; None for a miss (an unreadable key also reads as a miss)."""
         keys = list(keys)
         if not keys:
             return []
-        assert self._reader is not None
         deadline = self._deadline()
-        locs = self._lookup(keys, deadline)
+        return self._values(keys, self._lookup(keys, deadline), deadline)
+
+    def _values(
+        self, keys: list[str], locs: list[Loc | None], deadline: float
+    ) -> list[bytes | None]:
+        assert self._reader is not None
         found = [(i, loc) for i, loc in enumerate(locs) if loc is not None]
         out: list[bytes | None] = [None] * len(keys)
         if self._direct and found and all(loc.size >= _DIRECT_MIN for _, loc in found):
@@ -357,7 +374,16 @@ class StoreClient:
 
     def get_into(self, key: str, addr: int, size: int) -> int | None:
         """Read ``key`` into registered memory; bytes read, or None on a miss."""
-        out = self.batch_get_into([key], [addr], [size])[0]
+        assert self._reader is not None
+        deadline = self._deadline()
+        locs = self._lookup([key], deadline)
+        loc = locs[0]
+        if loc is not None and loc.size <= size and self._registered(addr, loc.size):
+            err = self._reader.read([(loc, addr)], deadline)[0]  # the common case, direct
+            if err is not None:
+                raise err
+            return loc.size
+        out = self._read_into([key], locs, [addr], [size], deadline)[0]
         if isinstance(out, MooncakeConnectorsError):
             raise out
         return out
@@ -370,9 +396,19 @@ class StoreClient:
             raise ConfigError("keys, addresses and sizes differ in length")
         if not keys:
             return []
-        assert self._reader is not None
         deadline = self._deadline()
-        locs = self._lookup(list(keys), deadline)
+        keys = list(keys)
+        return self._read_into(keys, self._lookup(keys, deadline), addrs, sizes, deadline)
+
+    def _read_into(
+        self,
+        keys: Sequence[str],
+        locs: list[Loc | None],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        deadline: float,
+    ) -> list[int | MooncakeConnectorsError | None]:
+        assert self._reader is not None
         out: list[int | MooncakeConnectorsError | None] = [None] * len(keys)
         todo = []
         for i, loc in enumerate(locs):

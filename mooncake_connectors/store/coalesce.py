@@ -8,25 +8,45 @@ is merged, so no byte outside the requests is touched.
 
 from __future__ import annotations
 
+import itertools
+
 from ..transfer_core.engine import TransferRequest
+
+
+def _in_order(reqs: list[TransferRequest]) -> bool:
+    """Whether ``reqs`` are already sorted by (target, remote address): a batch the master
+    placed back to back usually is, and then it needs no sort."""
+    _, pt, _, pr, _ = reqs[0]
+    for _, t, _, r, _ in reqs:
+        if t != pt:
+            if t < pt:
+                return False
+            pt = t
+        elif r < pr:
+            return False
+        pr = r
+    return True
 
 
 def coalesce(reqs: list[TransferRequest]) -> list[TransferRequest]:
     if len(reqs) < 2:
         return reqs
-    ordered = sorted(reqs, key=lambda r: (r.target, r.remote_addr))
+    ordered = reqs if _in_order(reqs) else sorted(reqs, key=lambda r: (r.target, r.remote_addr))
     out: list[TransferRequest] = []
-    cur = ordered[0]
-    for r in ordered[1:]:
+    first = ordered[0]
+    op, target, local, remote, length = first
+    for r in itertools.islice(ordered, 1, None):
+        r_op, r_target, r_local, r_remote, r_length = r
         if (
-            r.target == cur.target
-            and r.op is cur.op
-            and cur.remote_addr + cur.length == r.remote_addr
-            and cur.local_addr + cur.length == r.local_addr
+            r_target == target
+            and r_op is op
+            and remote + length == r_remote
+            and local + length == r_local
         ):
-            cur = cur._replace(length=cur.length + r.length)
-        else:
-            out.append(cur)
-            cur = r
-    out.append(cur)
+            length += r_length
+            continue
+        out.append(first if length == first.length else first._replace(length=length))
+        first = r
+        op, target, local, remote, length = r
+    out.append(first if length == first.length else first._replace(length=length))
     return out

@@ -82,6 +82,29 @@ class Reader:
     def read(self, items: list[tuple[Loc, int]], deadline: float) -> list[StoreError | None]:
         """Read each (location, destination address); per item None or the error."""
         errors: list[StoreError | None] = [None] * len(items)
+        reqs: list[TransferRequest] = []
+        timeout = 0.0
+        first: MooncakeConnectorsError | None = None  # the outcome of a first attempt made
+        left = deadline - time.monotonic()
+        if left > 0 and all(
+            loc.disk is None and len(loc.stripes) == 1 and len(loc.stripes[0]) == 1
+            for loc, _ in items
+        ):
+            # Every item one stripe of one copy (the common case): the first attempt needs no
+            # per-stripe bookkeeping; it is built only if that attempt fails.
+            reqs = [
+                TransferRequest(_READ, loc.stripes[0][0][0], dest, loc.stripes[0][0][1], loc.size)
+                for loc, dest in items
+                if loc.size
+            ]
+            if not reqs:
+                return errors
+            timeout = min(left, self.replica_timeout + sum(r.length for r in reqs) / 1e8)
+            try:
+                self.engine.transfer(coalesce(reqs), timeout=timeout)
+                return errors
+            except MooncakeConnectorsError as exc:
+                first = exc
         active: list[_Stripe] = []
         for k, (loc, dest) in enumerate(items):
             if loc.disk is not None:
@@ -93,23 +116,27 @@ class Reader:
                     cands = copies if len(copies) == 1 else sorted(copies, key=self._key)
                     active.append(_Stripe(k, dest + off, n, cands))
         while active:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                for s in active:
-                    errors[s.item] = ReplicaUnavailable("read deadline passed", code=-800)
-                break
-            reqs = [
-                TransferRequest(_READ, s.cands[s.i][0], s.dest, s.cands[s.i][1], s.n)
-                for s in active
-            ]
-            # One attempt gets replica_timeout plus time for its bytes at a slow 100 MB/s: a
-            # dead server then costs that much, a copy that is merely far still arrives.
-            timeout = min(left, self.replica_timeout + sum(s.n for s in active) / 1e8)
-            try:  # the common case, in this thread: every stripe from its first choice
-                self.engine.transfer(coalesce(reqs), timeout=timeout)
-                break
-            except MooncakeConnectorsError as exc:
-                bad, why = getattr(exc, "peer", None), exc  # only peer errors name one
+            if first is not None:  # that attempt was this loop's first: take its outcome
+                why, first = first, None
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for s in active:
+                        errors[s.item] = ReplicaUnavailable("read deadline passed", code=-800)
+                    break
+                reqs = [
+                    TransferRequest(_READ, s.cands[s.i][0], s.dest, s.cands[s.i][1], s.n)
+                    for s in active
+                ]
+                # One attempt gets replica_timeout plus time for its bytes at a slow 100 MB/s:
+                # a dead server then costs that much, a copy that is merely far still arrives.
+                timeout = min(left, self.replica_timeout + sum(s.n for s in active) / 1e8)
+                try:  # the common case, in this thread: every stripe from its first choice
+                    self.engine.transfer(coalesce(reqs), timeout=timeout)
+                    break
+                except MooncakeConnectorsError as exc:
+                    why = exc
+            bad = getattr(why, "peer", None)  # only peer errors name one
             if isinstance(bad, str) and any(s.cands[s.i][0] == bad for s in active):
                 # The error names the copy's segment: move its stripes on, read all again.
                 self._suspect[bad] = time.monotonic() + SUSPECT_TTL

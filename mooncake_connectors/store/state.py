@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
-from . import eviction, tier
+from . import batch, eviction, tier
 from .allocator import RangeAllocator, aligned
 from .config import MasterConfig
 from .protocol import Code, Loc, Part, stripe_bounds, stripe_count
@@ -382,13 +382,15 @@ class MasterState:
             key, obj.size, nrep, nst, ridx, sidx, flags, ttl_wall, segment, offset, put_id, at_ms
         )
 
-    def note_holdings(self, key: str, obj: Obj, put_id: int = 0) -> None:
+    def note_holdings(self, key: str, obj: Obj, put_id: int = 0, at_ms: int = 0) -> None:
+        """Queue the copies of ``key`` for their servers; with ``put_id``, as committed by that
+        put at ``at_ms`` (unix ms; 0: now)."""
         locs = obj.locs
         if type(locs) is int and obj.extra is None:  # the common case, kept lean
             seg = self.segments.get(locs >> SHIFT)
             if seg is not None:
                 rec = seg.server
-                at_ms = int(time.time() * 1000) if put_id else 0
+                at_ms = (at_ms or int(time.time() * 1000)) if put_id else 0
                 flags = obj.meta & PIN
                 part = Part(
                     key, obj.size, 1, 1, 0, 0, flags, 0, seg.name, locs & MASK, put_id, at_ms
@@ -499,6 +501,10 @@ class MasterState:
         # One placement start per call, not per key: a batch lands back to back in the same
         # segments (its transfers then merge); successive calls rotate over the segments.
         self._rr = (self._rr + 1) % max(1, len(self._order))
+        if nrep == 1 and not preferred:
+            fresh = batch.place_fresh(self, put_id, keys, sizes, flags, ttl_ms, deadline)
+            if fresh is not None:
+                return fresh
         seen: set[str] = set()
         for key, size in zip(keys, sizes, strict=True):
             if key in seen:  # a key twice in one put: its first value is stored, later ones are not
@@ -589,18 +595,22 @@ class MasterState:
                 self.key_bytes -= key_cost(key)
                 self._release_locs(p.locs, p.size, len(p.locs) // p.nrep)
         codes: list[int] = []
+        pending = self.pending
+        at_ms = int(time.time() * 1000)  # one commit time for the batch
         for key in commit:
-            p = self.pending.get(key)
+            p = pending.get(key)
             if p is None or p.put_id != put_id:
                 codes.append(Code.PUT_EXPIRED)
                 continue
-            del self.pending[key]
+            del pending[key]
             self.key_bytes -= key_cost(key)
-            codes.append(self._commit(key, p, now))
+            codes.append(self._commit(key, p, now, at_ms))
         return codes
 
-    def _commit(self, key: str, p: Pending, now: float) -> int:
-        """Make an allocation whose bytes were written visible as ``key``."""
+    def _commit(self, key: str, p: Pending, now: float, at_ms: int = 0) -> int:
+        """Make an allocation whose bytes were written visible as ``key`` (committed at
+        ``at_ms``, unix ms; 0: now)."""
+        at_ms = at_ms or int(time.time() * 1000)
         nst = len(p.locs) // p.nrep
         if len(p.locs) == 1:
             live = p.locs if (p.locs[0] >> SHIFT) in self.segments else [-1]
@@ -631,14 +641,14 @@ class MasterState:
                 heapq.heappush(self._ttl_heap, (obj.extra.ttl, next(self._seq), key, obj))
         self.objects[key] = obj
         self.key_bytes += key_cost(key)
-        self.note_holdings(key, obj, p.put_id)
+        self.note_holdings(key, obj, p.put_id, at_ms)
         self.counters["puts"] += 1
-        self.committed(p.put_id, key)
+        self.committed(p.put_id, key, at_ms)
         return Code.OK
 
-    def committed(self, put_id: int, key: str) -> None:
+    def committed(self, put_id: int, key: str, at_ms: int = 0) -> None:
         recent = self.recent
-        recent[(put_id, key)] = int(time.time() * 1000)
+        recent[(put_id, key)] = at_ms or int(time.time() * 1000)
         if len(recent) > RECENT_COMMITS:
             recent.popitem(last=False)
 

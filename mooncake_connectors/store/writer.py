@@ -66,6 +66,7 @@ class Raw:
 # (registered address, size, what to stage instead: a view of the bytes or raw memory)
 Source = tuple[int, int, "memoryview | Raw | None"]
 _BUSY_PAUSE = 0.02
+_WRITE = TransferOp.WRITE
 _SPARE_MAX = 64 << 20  # puts up to this size reserve room for the next one
 _DIRECT_MIN = 1 << 20
 _MAYBE_REGISTERED = 64 << 10
@@ -227,6 +228,18 @@ class Writer:
         """Registered addresses holding each source's bytes, inside the ``with``: registered
         memory as is; large Python buffers registered for the call (``direct``); the rest
         copied into staging."""
+        if len(srcs) == 1 and srcs[0][1] < _MAYBE_REGISTERED:  # one small value (most puts)
+            a, n, what = srcs[0]
+            if what is None or not n:
+                yield [a]
+                return
+            with self.staging.stage([n]) as (addr,):
+                if isinstance(what, Raw):
+                    ctypes.memmove(addr, what.addr, n)
+                else:
+                    view(addr, n)[:] = what  # type: ignore[index,assignment]
+                yield [addr]
+            return
         where = [a for a, _, _ in srcs]
         direct: list[int] = []
         held: list[tuple[int, int]] = []
@@ -258,12 +271,15 @@ class Writer:
         ]
         try:
             with self.staging.stage([srcs[k][1] for k in staged]) as tmp:
+                # The staged slots lie in order in one range: one view over it serves them all.
+                base = tmp[0] if tmp else 0
+                span = view(base, tmp[-1] + srcs[staged[-1]][1] - base) if tmp else None
                 for k, addr in zip(staged, tmp, strict=True):
                     what, n = srcs[k][2], srcs[k][1]
                     if isinstance(what, Raw):
                         ctypes.memmove(addr, what.addr, n)
                     else:
-                        view(addr, n)[:] = what  # type: ignore[index,assignment]
+                        span[addr - base : addr - base + n] = what  # type: ignore[index,assignment]
                     where[k] = addr
                 yield where
         finally:
@@ -390,6 +406,12 @@ class Writer:
         owner: list[int] = []
         for i, stripes in allocs.items():
             addr, size = addrs[i], srcs[i][1]
+            if len(stripes) == 1:  # (most keys: one stripe, no bounds to compute)
+                if size:
+                    for seg, remote in stripes[0]:
+                        reqs.append(TransferRequest(_WRITE, seg, addr, remote, size))
+                        owner.append(i)
+                continue
             bounds = stripe_bounds(size, len(stripes))
             for (off, n), copies in zip(bounds, stripes, strict=True):
                 if n:
