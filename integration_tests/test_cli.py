@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from helpers import free_port, http_ok, wait_until
 from typer.testing import CliRunner
@@ -60,29 +61,27 @@ def test_metadata_server_command() -> None:
         proc.wait(timeout=10)
 
 
+def cli_json(*args: str, timeout: float = 300) -> Any:
+    """Run the command line; its stdout parsed as JSON (a failed run fails the test)."""
+    out = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, check=True)
+    return json.loads(out.stdout)
+
+
 def test_bench_transfer_emits_json() -> None:
-    out = subprocess.run(
-        [
-            *CLI,
-            "bench",
-            "transfer",
-            "--rounds",
-            "1",
-            "--sizes",
-            "64K,1M",
-            "--batch",
-            "8x64K",
-            "--no-mooncake",
-            "--transports",
-            "tcp,shm",
-            "--tls",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+    result = cli_json(
+        "bench",
+        "transfer",
+        "--rounds",
+        "1",
+        "--sizes",
+        "64K,1M",
+        "--batch",
+        "8x64K",
+        "--no-mooncake",
+        "--transports",
+        "tcp,shm",
+        "--tls",
     )
-    result = json.loads(out.stdout)
     assert result["benchmark"] == "transfer"
     row = result["results"]["READ 1M"]
     assert set(row) >= {"ours_tcp", "ours_shm", "raw_socket"}
@@ -96,14 +95,7 @@ def test_bench_transfer_emits_json() -> None:
 
 
 def test_bench_store_legs_emits_json() -> None:
-    out = subprocess.run(
-        [*CLI, "bench", "store-legs", "--calls", "20", "--rounds", "1", "--no-mooncake"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    result = json.loads(out.stdout)
+    result = cli_json("bench", "store-legs", "--calls", "20", "--rounds", "1", "--no-mooncake")
     assert result["benchmark"] == "store-legs"
     legs = result["results"]
     assert set(legs) == {"master_round_trip", "data_round_trip", "get", "client_work"}
@@ -111,14 +103,7 @@ def test_bench_store_legs_emits_json() -> None:
 
 
 def test_certs_init_and_a_metadata_server_over_mutual_tls(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [*CLI, "certs", "init", str(tmp_path), "--nodes", "meta,engine"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    files = json.loads(out.stdout)
+    files = cli_json("certs", "init", str(tmp_path), "--nodes", "meta,engine", timeout=60)
     port = free_port()
     proc = subprocess.Popen(
         [
