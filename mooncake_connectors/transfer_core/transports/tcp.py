@@ -47,10 +47,6 @@ from .tls_stream import TlsStream
 
 log = logging.getLogger(__name__)
 
-_WAITALL = socket.MSG_WAITALL
-_RESP_SIZE = wire.RESP.size
-_REQ = wire.REQ
-_REQ_SIZE = wire.REQ.size
 _COALESCE = 64  # most requests one sendmsg carries
 _INLINE_PAYLOAD = 256 * 1024  # WRITE bytes an async submit may send from the caller's thread
 _HOST_OR_GPU = (LocationKind.CPU, LocationKind.CUDA)
