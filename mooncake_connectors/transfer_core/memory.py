@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import bisect
 import contextlib
 import ctypes
@@ -253,6 +254,10 @@ class LocalSegment:
         self._starts: list[int] = []
         self._regions: list[Region] = []
         self.epoch = 0
+        # The epoch again, as 8 bytes at a fixed address: compiled loops that serve requests
+        # without the interpreter lock read it before each one (tcp's ``_tcp_fast.serve``).
+        self._epoch_cell = array.array("Q", [0])
+        self.epoch_addr: int = self._epoch_cell.buffer_info()[0]
 
     def add(self, region: Region) -> Region:
         if region.length < 0 or region.addr < 0:
@@ -275,6 +280,7 @@ class LocalSegment:
             self._starts.insert(i, region.addr)
             self._regions.insert(i, region)
             self.epoch += 1
+            self._epoch_cell[0] = self.epoch
             return region
 
     def remove(self, addr: int) -> Region:
@@ -285,6 +291,7 @@ class LocalSegment:
             del self._starts[i]
             region = self._regions.pop(i)
             self.epoch += 1
+            self._epoch_cell[0] = self.epoch
             return region
 
     def find(self, addr: int, length: int) -> Region | None:

@@ -39,6 +39,7 @@ from .. import cuda_driver
 from ..memory import Region
 from ..transport import TransportContext
 from . import staging, wire  # staging: the type of the pool lent by the transport
+from .fast import tcp as fast
 from .tls_stream import TlsStream
 
 log = logging.getLogger(__name__)
@@ -181,14 +182,39 @@ class TcpServer:
             wire.set_io_tick(conn, _tick(frame_timeout))
             served = (wire.OP_READ, wire.OP_WRITE, wire.OP_PING) if self.data else (wire.OP_PING,)
             resp = wire.RESP
+            # The compiled loop serves the requests that stay in the region served last (a
+            # plain socket, host memory) and hands anything else back with its header.
+            fd = conn.fileno() if fast is not None and type(conn) is socket.socket else -1
             while True:
-                # Common case in one syscall; recv_until only when the kernel splits it.
-                try:
-                    k = conn.recv_into(hv, hsize, _WAITALL)
-                except BlockingIOError:  # idle: nothing of a request arrived in one tick
-                    if self.closed:
-                        return
-                    continue
+                if fd >= 0 and last is not None and last_epoch == local.epoch and last.device < 0:
+                    assert fast is not None
+                    got = fast.serve(
+                        fd,
+                        lo,
+                        hi,
+                        rights,
+                        local.epoch_addr,
+                        last_epoch,
+                        frame_timeout,
+                        MIN_RATE,
+                        wire.MAX_PAYLOAD,
+                        hdr,
+                    )
+                    if got == fast.IDLE:
+                        if self.closed:
+                            return
+                        continue
+                    if got != fast.HANDBACK:
+                        raise _ended(got)
+                    k = hsize  # a request for the code below; its header is in hdr
+                else:
+                    # Common case in one syscall; recv_until only when the kernel splits it.
+                    try:
+                        k = conn.recv_into(hv, hsize, _WAITALL)
+                    except BlockingIOError:  # idle: nothing of a request arrived in one tick
+                        if self.closed:
+                            return
+                        continue
                 deadline = time.monotonic() + frame_timeout
                 if k != hsize:
                     wire.recv_until(conn, hv[k:] if k else hv, deadline)
@@ -335,6 +361,18 @@ class TcpServer:
         for c in conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
+
+
+def _ended(outcome: int) -> Exception:
+    """The exception that ends a connection the compiled loop gave up on (as the Python loop
+    would have raised it)."""
+    assert fast is not None
+    if outcome == fast.TIMEOUT:
+        return TimeoutError("a request did not arrive whole within its frame timeout")
+    if outcome == fast.CLOSED:
+        return ConnectionError("the peer closed the connection")
+    err = fast.last_errno()
+    return OSError(err, os.strerror(err) if err else "socket error")
 
 
 def _ok(rid: int) -> bytes:

@@ -1,0 +1,24 @@
+# The compiled module's interface (see _tcp_fast.pyx).
+IDLE: int
+HANDBACK: int
+TIMEOUT: int
+CLOSED: int
+BROKEN: int
+PROTOCOL: int
+
+def last_errno() -> int: ...
+def exchange(
+    fd: int, op: int, rid: int, remote: int, local: int, n: int, deadline: float
+) -> int | tuple[int, int]: ...
+def serve(
+    fd: int,
+    lo: int,
+    hi: int,
+    rights: int,
+    epoch_at: int,
+    epoch: int,
+    frame_timeout: float,
+    min_rate: float,
+    max_payload: int,
+    hdr: bytearray,
+) -> int: ...
