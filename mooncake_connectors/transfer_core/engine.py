@@ -39,7 +39,7 @@ from ..errors import (
     TransportClosed,
 )
 from ..types import Access, LocationKind, TransferOp, TransferStatus, parse_location
-from . import metrics
+from . import fastpath, metrics
 from .batch import Batch, TransferRequest, check_request, with_ops
 from .descriptor import (
     ENGINE_REGION_FIELDS,
@@ -116,6 +116,7 @@ class TransferEngine:
         self.transports: list[Transport] = []
         self._name = ""
         self._peers: dict[str, _PeerView] = {}
+        self._routes: dict[str, fastpath.Route] = {}  # per peer, for fastpath.run
         self._peer_lock = threading.Lock()
         self._rr = itertools.count()
         self._stop = threading.Event()
@@ -697,6 +698,15 @@ class TransferEngine:
             return False
         t0 = time.perf_counter()
         deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
+        first: MooncakeConnectorsError | None = None  # a failed attempt on the short way
+        route = self._routes.get(req.target)
+        if route is not None:
+            got = fastpath.run(self, route, req, deadline, t0)
+            if got is True:
+                return True
+            if got is not False:
+                first = got
+        epoch = self.local.epoch  # (before the plan: a change meanwhile makes a stale route)
         try:
             peer, region, transport, lanes, local = self._plan(req, deadline)
         except MooncakeConnectorsError as exc:
@@ -709,13 +719,15 @@ class TransferEngine:
         s.local_mv = local.slice(req.local_addr, req.length)
         s.lane = lanes[next(self._rr) % len(lanes)]
         s.tried = None
-        err = transport.run_inline(peer, s)
+        err = first if first is not None else transport.run_inline(peer, s)
         if err is None:
             if self.health.any_recorded():
                 self.health.succeeded(s.key)
             op = req.op._name_
             metrics.moved(transport.name, op, req.length)
             metrics.finished(op, "COMPLETED", time.perf_counter() - t0)
+            if transport.runs_one:
+                fastpath.remember(self, req.target, epoch, region, transport, local)
             return True
         batch = Batch((req,), deadline)
         batch._t0 = t0

@@ -25,6 +25,10 @@ class PathHealth:
         to do then."""
         return bool(self._failures)
 
+    def recorded_for(self, peer: str) -> bool:
+        """Whether a path to ``peer`` has failed since it last recovered."""
+        return any(k[0] == peer for k in list(self._failures))  # (list(): one atomic copy)
+
     def usable(self, key: tuple[str, str, int], now: float | None = None) -> bool:
         until = self._until.get(key)
         return until is None or (now if now is not None else time.monotonic()) >= until

@@ -185,6 +185,24 @@ class Transport(abc.ABC):
         ``s.deadline``. Optional: the engine calls it only when ``runs_inline`` is set."""
         raise NotImplementedError
 
+    # True when ``run_one`` is implemented
+    runs_one: ClassVar[bool] = False
+
+    def run_one(
+        self,
+        peer: SegmentDesc,
+        op: TransferOp,
+        remote: int,
+        local: int,
+        length: int,
+        deadline: float,
+    ) -> MooncakeConnectorsError | bool:
+        """``run_inline`` of one request whose ranges the engine checked, with no Slice made
+        (``transfer_core/fastpath.py``): True when done, its error, or False, having done
+        nothing, when only ``run_inline`` can run it. Optional: the engine calls it only when
+        ``runs_one`` is set."""
+        return False
+
     def local_changed(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Local registrations changed (register/unregister); ``epoch`` is the new generation."""
 

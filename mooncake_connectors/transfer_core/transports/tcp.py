@@ -39,6 +39,7 @@ from .. import cuda_driver
 from ..descriptor import RegionDesc, SegmentDesc
 from ..transport import Slice, Transport, TransportContext, TransportSettings, load_settings
 from . import wire
+from .fast import tcp as fast
 from .staging import Staging
 from .tcp_direct import DirectRunner
 from .tcp_server import TLS_ENDPOINT, TcpServer, _tune
@@ -424,6 +425,23 @@ class TcpTransport(Transport):
         if self._closed:
             return TransportClosed("tcp transport closed", peer=peer.name)
         return self._run_direct(peer, peer.endpoints["tcp"], (s,), report=False)
+
+    runs_one = fast is not None  # (without the compiled loops the general way is as short)
+
+    def run_one(
+        self,
+        peer: SegmentDesc,
+        op: TransferOp,
+        remote: int,
+        local: int,
+        length: int,
+        deadline: float,
+    ) -> MooncakeConnectorsError | bool:
+        if self._closed or (TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None):
+            return False
+        code = wire.OP_WRITE if op is TransferOp.WRITE else wire.OP_READ
+        addr = peer.endpoints["tcp"]
+        return self._direct.one(peer.name, addr, code, remote, local, length, deadline)
 
     def _run_direct(
         self, peer: SegmentDesc, addr: str, slices: Sequence[Slice], report: bool = True

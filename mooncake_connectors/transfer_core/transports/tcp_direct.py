@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import queue
 import socket
 import struct
@@ -25,11 +26,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ...errors import MooncakeConnectorsError, TransferTimeout, TransportBroken
+from ...errors import MooncakeConnectorsError, ProtocolError, TransferTimeout, TransportBroken
 from ...types import TransferOp
 from ..descriptor import SegmentDesc
 from ..transport import Slice
 from . import wire
+from .fast import tcp as fast
 
 _WAITALL = socket.MSG_WAITALL
 _RESP_SIZE = wire.RESP.size
@@ -54,6 +56,8 @@ class Direct:
         self.hv = memoryview(self.hdr)
         self.timeout = -1.0  # kernel timeout currently set, seconds
         self.deadline = 0.0  # of the call driving it now (monotonic)
+        # the compiled loop drives plain sockets (a TLS stream goes through Python's ssl)
+        self.fd = sock.fileno() if fast is not None and type(sock) is socket.socket else -1
 
     def bound(self, seconds: float) -> None:
         """Bound each send/recv by ``seconds``. Requests in a row have nearly equal deadlines, so
@@ -89,6 +93,13 @@ def exchange_one(conn: Direct, s: Slice, peer: str) -> MooncakeConnectorsError |
     s.path = conn.path
     conn.bound(conn.deadline - time.monotonic())
     rid = next(conn.ids)
+    if conn.fd >= 0:
+        assert fast is not None
+        view = s.local_view()  # host memory only (raises for GPU memory); held for the call
+        op = wire.OP_WRITE if s.op is TransferOp.WRITE else wire.OP_READ
+        got = fast.exchange(conn.fd, op, rid, s.remote_addr, s.local_addr, s.length, conn.deadline)
+        del view
+        return None if got == 0 else _compiled_outcome(conn, got, rid, peer)
     if s.op is TransferOp.WRITE:
         head = _REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, s.remote_addr, s.length)
         payload = s.local_view()
@@ -110,6 +121,31 @@ def exchange_one(conn: Direct, s: Slice, peer: str) -> MooncakeConnectorsError |
     if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
         wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
     return wire.finish_response(sock, conn.hdr, s, rid, peer, conn.path, conn.rebound)
+
+
+def _compiled_outcome(
+    conn: Direct, got: int | tuple[int, int], rid: int, peer: str
+) -> MooncakeConnectorsError | None:
+    """What the compiled exchange's outcome means, as the Python loop reports it: the peer's
+    error (its message read here), or the exception that ends the connection."""
+    assert fast is not None
+    if isinstance(got, tuple):
+        status, length = got
+        if length > wire.MAX_ERROR_MESSAGE:
+            raise ProtocolError("oversized error message", peer=peer, path=conn.path)
+        msg = bytearray(length)
+        wire.recv_exact(conn.sock, memoryview(msg), conn.rebound)
+        return wire.error_from_status(
+            status, msg.decode(errors="replace"), peer=peer, path=conn.path
+        )
+    if got == fast.TIMEOUT:
+        raise TimeoutError("the request's deadline passed")
+    if got == fast.PROTOCOL:
+        raise ProtocolError(f"bad response frame (expected id {rid})", peer=peer, path=conn.path)
+    if got == fast.CLOSED:
+        raise ConnectionError("the peer closed the connection")
+    err = fast.last_errno()
+    raise OSError(err, os.strerror(err) if err else "socket error")
 
 
 def chunks(slices: Sequence[Slice]) -> Iterator[Sequence[Slice]]:
@@ -329,14 +365,8 @@ class DirectRunner:
                         done += 1
                         if report:
                             s.complete(result)
-        except (TimeoutError, BlockingIOError):
-            err = TransferTimeout(
-                "deadline passed on a direct tcp connection", peer=peer, path=conn.path
-            )
-        except (OSError, ConnectionError) as exc:
-            err = TransportBroken(f"connection lost: {exc}", peer=peer, path=conn.path)
-        except MooncakeConnectorsError as exc:
-            err = exc
+        except (TimeoutError, BlockingIOError, OSError, MooncakeConnectorsError) as exc:
+            err = _ended(exc, peer, conn.path)
         if err is not None:
             sock.close()
             if not report:
@@ -352,6 +382,43 @@ class DirectRunner:
                 pool.append(conn)
         return result
 
+    def one(
+        self, peer: str, addr: str, op: int, remote: int, local: int, n: int, deadline: float
+    ) -> MooncakeConnectorsError | bool:
+        """One request of ``n`` bytes of host memory at ``local`` (checked by the caller), driven
+        by the compiled exchange on an idle pooled connection: True when done, the error the
+        peer or the connection gave, or False, having done nothing, when no idle plain
+        connection is pooled (or nothing is compiled): then the caller takes the general way."""
+        if fast is None or (self.stripes > 1 and n >= self.stripe_min):
+            return False
+        key = (peer, addr)
+        with self._lock:
+            pool = self._idle.get(key)
+            conn = pool.pop() if pool else None
+        if conn is None:
+            return False
+        result: MooncakeConnectorsError | bool = True
+        try:
+            if conn.fd < 0:
+                result = False
+            else:
+                conn.deadline = deadline
+                conn.bound(deadline - time.monotonic())
+                rid = next(conn.ids)
+                got = fast.exchange(conn.fd, op, rid, remote, local, n, deadline)
+                if got != 0:
+                    result = _compiled_outcome(conn, got, rid, peer) or True
+        except (TimeoutError, BlockingIOError, OSError, MooncakeConnectorsError) as exc:
+            conn.sock.close()
+            return _ended(exc, peer, conn.path)
+        with self._lock:
+            pool = self._idle.setdefault(key, [])
+            if self._closed or len(pool) >= _POOL:
+                conn.sock.close()
+            else:
+                pool.append(conn)
+        return result
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -362,6 +429,15 @@ class DirectRunner:
             c.sock.close()
         for _ in range(workers):
             self._jobs.put(None)
+
+
+def _ended(exc: BaseException, peer: str, path: str) -> MooncakeConnectorsError:
+    """The error a direct connection ends with (it is closed after this)."""
+    if isinstance(exc, MooncakeConnectorsError):
+        return exc
+    if isinstance(exc, TimeoutError | BlockingIOError):
+        return TransferTimeout("deadline passed on a direct tcp connection", peer=peer, path=path)
+    return TransportBroken(f"connection lost: {exc}", peer=peer, path=path)
 
 
 def _late(peer: str, path: str) -> TransferTimeout:
