@@ -38,6 +38,7 @@ cdef extern from "<sys/uio.h>" nogil:
         void* iov_base
         size_t iov_len
     ssize_t c_writev "writev"(int, const iovec*, int)
+    ssize_t c_readv "readv"(int, const iovec*, int)
 
 
 cdef extern from "<poll.h>" nogil:
@@ -84,6 +85,7 @@ cdef enum:
     OP_WRITE = 1
     RIGHT_READ = 1
     RIGHT_WRITE = 2
+    MAX_MESSAGE = 4096  # wire.MAX_ERROR_MESSAGE
 
 cdef enum:  # outcomes; ``exchange`` returns 0 for done, a tuple for a peer's error status
     C_IDLE = 0  # ``serve``: no request arrived within one kernel timeout
@@ -224,16 +226,50 @@ cdef int _send_two(int fd, const char* a, size_t na, const char* b, size_t nb,
     return 0
 
 
+cdef int _recv_answer(int fd, Resp* r, char* data, size_t n, double deadline,
+                      size_t* have) noexcept nogil:
+    """An answer's header, and as much of the ``n`` bytes that may follow it into ``data`` as
+    has arrived with it (``have``): one call where two would read header and data apart."""
+    cdef iovec v[2]
+    cdef ssize_t k
+    cdef int rc
+    v[0].iov_base = <void*>r
+    v[0].iov_len = sizeof(Resp)
+    v[1].iov_base = <void*>data
+    v[1].iov_len = n
+    have[0] = 0
+    while True:
+        k = c_readv(fd, v, 2 if n else 1)
+        if k > 0:
+            break
+        if k == 0:
+            return C_CLOSED
+        if errno == EINTR:
+            continue
+        if errno != EAGAIN and errno != EWOULDBLOCK:
+            _set_errno(errno)
+            return C_BROKEN
+        rc = _wait(fd, POLLIN, deadline)
+        if rc:
+            return rc
+    if <size_t>k < sizeof(Resp):
+        return _recv_all(fd, (<char*>r) + k, sizeof(Resp) - <size_t>k, deadline)
+    have[0] = <size_t>k - sizeof(Resp)
+    return 0
+
+
 def exchange(int fd, int op, uint64_t rid, uint64_t remote, uint64_t local, uint64_t n,
              double deadline):
     """One READ (``op`` 0: ``n`` bytes from the peer's ``remote`` into ``local``) or WRITE
     (1: from ``local`` to ``remote``) on the connection ``fd``, by ``deadline`` (monotonic).
     ``local`` must be host memory the caller keeps valid for the call. Returns 0 when done, an
-    outcome below zero, or ``(status, length)``: the peer refused it and ``length`` bytes of its
-    message follow on the stream."""
+    outcome below zero, or ``(status, message)``: the peer refused it (a refused READ may have
+    written part of its message into ``local``)."""
     cdef Req q
     cdef Resp r
     cdef int rc = 0
+    cdef size_t have = 0
+    cdef char msg[MAX_MESSAGE]
     q.magic = REQ_MAGIC
     q.op = <uint8_t>op
     q.pad1 = 0
@@ -244,22 +280,30 @@ def exchange(int fd, int op, uint64_t rid, uint64_t remote, uint64_t local, uint
     with nogil:
         if op == OP_WRITE:
             rc = _send_two(fd, <char*>&q, sizeof(Req), <char*>local, n, deadline)
+            if rc == 0:
+                rc = _recv_all(fd, <char*>&r, sizeof(Resp), deadline)
         else:
             rc = _send_all(fd, <char*>&q, sizeof(Req), deadline, 0)
-        if rc == 0:
-            rc = _recv_all(fd, <char*>&r, sizeof(Resp), deadline)
+            if rc == 0:
+                rc = _recv_answer(fd, &r, <char*>local, n, deadline, &have)
         if rc == 0:
             if r.magic != RESP_MAGIC or r.rid != rid:
                 rc = C_PROTOCOL
             elif r.status != 0:
-                rc = 1
+                if r.length > MAX_MESSAGE or have > r.length:
+                    rc = C_PROTOCOL
+                else:
+                    memcpy(msg, <char*>local, have)
+                    rc = _recv_all(fd, msg + have, r.length - have, deadline)
+                    if rc == 0:
+                        rc = 1
             elif op == OP_READ:
                 if r.length != n:
                     rc = C_PROTOCOL
-                elif n:
-                    rc = _recv_all(fd, <char*>local, n, deadline)
+                elif n > have:
+                    rc = _recv_all(fd, (<char*>local) + have, n - have, deadline)
     if rc == 1:
-        return (r.status, r.length)
+        return (r.status, msg[:r.length])
     return rc
 
 

@@ -124,19 +124,15 @@ def exchange_one(conn: Direct, s: Slice, peer: str) -> MooncakeConnectorsError |
 
 
 def _compiled_outcome(
-    conn: Direct, got: int | tuple[int, int], rid: int, peer: str
+    conn: Direct, got: int | tuple[int, bytes], rid: int, peer: str
 ) -> MooncakeConnectorsError | None:
     """What the compiled exchange's outcome means, as the Python loop reports it: the peer's
-    error (its message read here), or the exception that ends the connection."""
+    error, or the exception that ends the connection."""
     assert fast is not None
     if isinstance(got, tuple):
-        status, length = got
-        if length > wire.MAX_ERROR_MESSAGE:
-            raise ProtocolError("oversized error message", peer=peer, path=conn.path)
-        msg = bytearray(length)
-        wire.recv_exact(conn.sock, memoryview(msg), conn.rebound)
+        status, message = got
         return wire.error_from_status(
-            status, msg.decode(errors="replace"), peer=peer, path=conn.path
+            status, message.decode(errors="replace"), peer=peer, path=conn.path
         )
     if got == fast.TIMEOUT:
         raise TimeoutError("the request's deadline passed")
