@@ -28,7 +28,13 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ...errors import AccessViolation, MetadataError, TransportBroken, TransportClosed
+from ...errors import (
+    AccessViolation,
+    MetadataError,
+    MooncakeConnectorsError,
+    TransportBroken,
+    TransportClosed,
+)
 from ...plugins import hookimpl
 from ...types import Access, LocationKind, TransferOp
 from ..descriptor import RegionDesc, SegmentDesc, host_id
@@ -269,6 +275,25 @@ class ShmTransport(Transport):
             return
         for s in slices:
             self._q.put((current, s, s.region if fresh else None))
+
+    runs_inline = True
+
+    def run_inline(self, peer: SegmentDesc, s: Slice) -> MooncakeConnectorsError | None:
+        """``submit`` of one slice with ``inline_ok``, its outcome returned (no completion)."""
+        if self._closed:
+            return TransportClosed("shm transport closed", peer=peer.name)
+        try:
+            current = self._current(peer)
+        except (OSError, MetadataError) as exc:
+            return TransportBroken(f"peer unreachable over shm: {exc}", peer=peer.name, path="shm")
+        s.path = f"shm pid {peer.pid}"
+        try:
+            self._copy(current, s, s.region if current is peer else None)
+        except AccessViolation as exc:
+            return exc
+        except OSError as exc:
+            return TransportBroken(f"shm copy failed: {exc}", peer=peer.name, path=s.path)
+        return None
 
     def _current(self, peer: SegmentDesc) -> SegmentDesc:
         """Return an up-to-date descriptor: verify the epoch page, re-fetch if it moved."""
