@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import hashlib
 import os
 import socket
+import struct
+import termios
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Peer, pattern
+from helpers import Peer, pattern, wait_until
 
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import AccessViolation
@@ -57,6 +61,11 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 def addr_of(buf: Any) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def unread(s: socket.socket) -> int:
+    """Bytes waiting in ``s``'s receive queue."""
+    return int(struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0" * 4))[0])
 
 
 def resp(status: int, rid: int, length: int) -> bytes:
@@ -120,10 +129,15 @@ def test_exchange_outcomes(pair: tuple[socket.socket, socket.socket]) -> None:
 
     b.sendall(resp(wire.ST_ACCESS, 1, 5) + b"nope!")  # refused, with the peer's message
     assert read(1) == (wire.ST_ACCESS, b"nope!")
-    b.sendall(resp(wire.ST_ACCESS, 2, 40))  # a message sent in two parts
-    time.sleep(0.05)
-    b.sendall(b"m" * 40)
-    assert read(2) == (wire.ST_ACCESS, b"m" * 40)
+    # a message whose second part comes after the exchange took the first
+    b.sendall(resp(wire.ST_ACCESS, 2, 40) + b"m" * 10)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(read(2)))
+    reader.start()
+    wait_until(lambda: unread(a) == 0, 5, "the exchange to take the first part")
+    b.sendall(b"n" * 30)
+    reader.join(10)
+    assert got == [(wire.ST_ACCESS, b"m" * 10 + b"n" * 30)]
     b.recv(1 << 16)
     b.sendall(resp(wire.ST_ACCESS, 3, wire.MAX_ERROR_MESSAGE + 1))  # an oversized message
     assert read(3) == fast.tcp.PROTOCOL
