@@ -287,13 +287,7 @@ class ShmTransport(Transport):
         except (OSError, MetadataError) as exc:
             return TransportBroken(f"peer unreachable over shm: {exc}", peer=peer.name, path="shm")
         s.path = f"shm pid {peer.pid}"
-        try:
-            self._copy(current, s, s.region if current is peer else None)
-        except AccessViolation as exc:
-            return exc
-        except OSError as exc:
-            return TransportBroken(f"shm copy failed: {exc}", peer=peer.name, path=s.path)
-        return None
+        return self._attempt(current, s, s.region if current is peer else None)
 
     def _current(self, peer: SegmentDesc) -> SegmentDesc:
         """Return an up-to-date descriptor: verify the epoch page, re-fetch if it moved."""
@@ -363,14 +357,19 @@ class ShmTransport(Transport):
             self._run(*item)
 
     def _run(self, peer: SegmentDesc, s: Slice, region: RegionDesc | None) -> None:
+        s.complete(self._attempt(peer, s, region))
+
+    def _attempt(
+        self, peer: SegmentDesc, s: Slice, region: RegionDesc | None
+    ) -> MooncakeConnectorsError | None:
+        """Copy ``s``; its outcome (None: done)."""
         try:
             self._copy(peer, s, region)
         except AccessViolation as exc:
-            s.complete(exc)
+            return exc
         except OSError as exc:
-            s.complete(TransportBroken(f"shm copy failed: {exc}", peer=peer.name, path=s.path))
-        else:
-            s.complete(None)
+            return TransportBroken(f"shm copy failed: {exc}", peer=peer.name, path=s.path)
+        return None
 
     def _copy(self, peer: SegmentDesc, s: Slice, region: RegionDesc | None) -> None:
         write = s.op is TransferOp.WRITE

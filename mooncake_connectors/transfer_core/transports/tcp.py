@@ -437,7 +437,7 @@ class TcpTransport(Transport):
         length: int,
         deadline: float,
     ) -> MooncakeConnectorsError | bool:
-        if self._closed or (TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None):
+        if self._closed or TLS_ENDPOINT in peer.endpoints:  # (TLS: the Python loops only)
             return False
         code = wire.OP_WRITE if op is TransferOp.WRITE else wire.OP_READ
         addr = peer.endpoints["tcp"]

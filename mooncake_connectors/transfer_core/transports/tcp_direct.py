@@ -95,10 +95,9 @@ def exchange_one(conn: Direct, s: Slice, peer: str) -> MooncakeConnectorsError |
     rid = next(conn.ids)
     if conn.fd >= 0:
         assert fast is not None
-        view = s.local_view()  # host memory only (raises for GPU memory); held for the call
+        s.local_view()  # host memory only: raises for GPU memory, as the Python loop does
         op = wire.OP_WRITE if s.op is TransferOp.WRITE else wire.OP_READ
         got = fast.exchange(conn.fd, op, rid, s.remote_addr, s.local_addr, s.length, conn.deadline)
-        del view
         return None if got == 0 else _compiled_outcome(conn, got, rid, peer)
     if s.op is TransferOp.WRITE:
         head = _REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, s.remote_addr, s.length)
@@ -316,9 +315,7 @@ class DirectRunner:
         key = (peer, addr)
         # an engine's batch shares one deadline; a retried slice comes alone
         deadline = slices[0].deadline if len(slices) == 1 else min(s.deadline for s in slices)
-        with self._lock:
-            pool = self._idle.get(key)
-            conn = pool.pop() if pool else None
+        conn = self._take(key)
         if conn is None:
             path = f"tcp {addr} direct"
             try:
@@ -370,13 +367,23 @@ class DirectRunner:
             for s in slices[done:]:
                 s.complete(err)
             return None
+        self._park(key, conn)
+        return result
+
+    def _take(self, key: tuple[str, str]) -> Direct | None:
+        """An idle pooled connection to ``key`` (peer, address), or None."""
+        with self._lock:
+            pool = self._idle.get(key)
+            return pool.pop() if pool else None
+
+    def _park(self, key: tuple[str, str], conn: Direct) -> None:
+        """Back to the pool after a clean exchange (closed when the pool is full or closed)."""
         with self._lock:
             pool = self._idle.setdefault(key, [])
             if self._closed or len(pool) >= _POOL:
-                sock.close()
+                conn.sock.close()
             else:
                 pool.append(conn)
-        return result
 
     def one(
         self, peer: str, addr: str, op: int, remote: int, local: int, n: int, deadline: float
@@ -388,9 +395,7 @@ class DirectRunner:
         if fast is None or (self.stripes > 1 and n >= self.stripe_min):
             return False
         key = (peer, addr)
-        with self._lock:
-            pool = self._idle.get(key)
-            conn = pool.pop() if pool else None
+        conn = self._take(key)
         if conn is None:
             return False
         result: MooncakeConnectorsError | bool = True
@@ -407,12 +412,7 @@ class DirectRunner:
         except (TimeoutError, BlockingIOError, OSError, MooncakeConnectorsError) as exc:
             conn.sock.close()
             return _ended(exc, peer, conn.path)
-        with self._lock:
-            pool = self._idle.setdefault(key, [])
-            if self._closed or len(pool) >= _POOL:
-                conn.sock.close()
-            else:
-                pool.append(conn)
+        self._park(key, conn)
         return result
 
     def close(self) -> None:
