@@ -15,6 +15,8 @@ import hashlib
 import os
 import socket
 import struct
+import subprocess
+import sys
 import termios
 import threading
 import time
@@ -46,15 +48,72 @@ def test_ci_builds_the_compiled_loops() -> None:
     assert TcpTransport.runs_one
 
 
-# -- the compiled loops over a socket pair --------------------------------------------------
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+# -- spinning before sleeping -----------------------------------------------------------------
+def test_spin_budget_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(fast.SPIN_ENV, raising=False)
+    assert fast.spin_us() == fast.DEFAULT_SPIN_US
+    for text, want in (("0", 0), (" 200 ", 200), (str(fast.MAX_SPIN_US), fast.MAX_SPIN_US)):
+        monkeypatch.setenv(fast.SPIN_ENV, text)
+        assert fast.spin_us() == want
+    for bad in ("abc", "-1", "2.5", str(fast.MAX_SPIN_US + 1)):
+        monkeypatch.setenv(fast.SPIN_ENV, bad)
+        caplog.clear()
+        assert fast.spin_us() == fast.DEFAULT_SPIN_US
+        assert fast.SPIN_ENV in caplog.text and repr(bad) in caplog.text
+
+
+@compiled
+def test_the_loader_sets_the_budget_and_set_spin_checks_it() -> None:
+    assert fast.tcp is not None
+    code = "from mooncake_connectors.transfer_core.transports import fast; print(fast.tcp.spin())"
+    env = {**os.environ, fast.SPIN_ENV: "7"}
+    env.pop(fast.PURE_ENV, None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == pytest.approx(7e-6)
+    for bad in (-1e-6, float("nan")):
+        with pytest.raises(ValueError, match="spin"):
+            fast.tcp.set_spin(bad)
+
+
+@compiled
+def test_wait_readable_spins_until_data_or_the_budget() -> None:
+    assert fast.tcp is not None
+    a, b = socket.socketpair()
+    try:
+        t0 = time.monotonic()
+        assert fast.tcp.wait_readable(a.fileno(), 0.02) is False  # nothing came: the budget
+        assert 0.02 <= time.monotonic() - t0 < 2
+        later = threading.Timer(0.05, lambda: b.sendall(b"x"))
+        later.start()
+        assert fast.tcp.wait_readable(a.fileno(), 5.0) is True  # returns on the byte
+        later.join()
+        assert a.recv(1) == b"x"
+        b.close()
+        assert fast.tcp.wait_readable(a.fileno(), 5.0) is True  # a closed peer reads too
+    finally:
+        a.close()
+        b.close()
+
+
+# -- the compiled loops over a socket pair (each test twice: waits that sleep, waits that spin) --
+@pytest.fixture(params=[0.0, 50e-6], ids=["sleeps", "spins"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, socket.socket]]:
     a, b = socket.socketpair()
     for s in (a, b):
         wire.set_io_tick(s, 0.05)
+    before = fast.tcp.spin() if fast.tcp is not None else 0.0
+    if fast.tcp is not None:
+        fast.tcp.set_spin(request.param)
     try:
         yield a, b
     finally:
+        if fast.tcp is not None:
+            fast.tcp.set_spin(before)
         a.close()
         b.close()
 
