@@ -41,6 +41,7 @@ from ..tls import (
     server_context,
     wrap_client,
 )
+from ..transfer_core.transports.fast import tcp as _fast
 from .config import split_hostport
 from .protocol import (
     FLAG_NOTIFY,
@@ -563,6 +564,9 @@ class Channel:
                     sock.close()
                     raise
         self.sock: socket.socket = sock
+        self._fd = sock.fileno()
+        # TLS may hold decrypted bytes the socket no longer shows: no spinning on its fd
+        self._spin = _fast.spin() if _fast is not None and tls is None else 0.0
         self.rbuf = bytearray()
         self.pushes: collections.deque[Msg] = collections.deque()
         self.closed = False
@@ -685,6 +689,8 @@ class Channel:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
+            if self._spin and _fast is not None:  # spin for the reply before sleeping on it
+                _fast.wait_readable(self._fd, min(self._spin, left))  # (a wake-up costs more)
             self.sock.settimeout(left)
             try:
                 data = self.sock.recv(_RECV)
