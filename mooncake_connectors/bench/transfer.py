@@ -18,6 +18,8 @@ block), so none is measured on one cache-hot address.
   * ``mooncake_tcp``: Mooncake's own TransferEngine (tcp protocol, P2PHANDSHAKE) when its wheel is
     installed.
 GB/s = bytes moved / wall time, median over rounds. Ratios compare ours with the others.
+``initiator_cpu_s_per_gb``: CPU seconds the initiator's process spent per GB moved (its every
+thread: Mooncake's workers as ours), what spinning before sleeping costs beside what it saves.
 """
 
 from __future__ import annotations
@@ -175,10 +177,14 @@ def _offsets(size: int, span: int) -> list[int]:
     return [(i % per) * size for i in range(_ops_for(size))]
 
 
-def _rate(fn: Callable[[], None], nbytes: int) -> float:
+def _rate(fn: Callable[[], None], nbytes: int) -> tuple[float, float]:
+    """GB/s, and the CPU seconds this (the initiator's) process spent per GB meanwhile: all
+    its threads, Mooncake's workers and ours alike, spinning or copying."""
+    c0 = time.process_time()
     t0 = time.perf_counter()
     fn()
-    return nbytes / (time.perf_counter() - t0) / 1e9
+    wall = time.perf_counter() - t0
+    return nbytes / wall / 1e9, (time.process_time() - c0) / (nbytes / 1e9)
 
 
 def run_transfer_benchmark(
@@ -211,6 +217,7 @@ def run_transfer_benchmark(
     local: Any = None
     shm_keep: list[Any] = []
     results: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {}
     notes: list[str] = []
     try:
         targets["ours"] = _Target("ours", span, meta.url)
@@ -400,7 +407,9 @@ def run_transfer_benchmark(
         for rnd in range(rounds):
             for group in _shuffled(cases, rnd):
                 for system, label, fn, nbytes in group:
-                    results.setdefault(label, {}).setdefault(system, []).append(_rate(fn, nbytes))
+                    gbs, cpu_s = _rate(fn, nbytes)
+                    results.setdefault(label, {}).setdefault(system, []).append(gbs)
+                    cpu.setdefault(label, {}).setdefault(system, []).append(cpu_s)
                     done += 1
                     if progress is not None:
                         progress(done, total)
@@ -450,6 +459,12 @@ def run_transfer_benchmark(
         },
         "results": table,
         "ratios": ratios,
+        # the initiator process's CPU seconds per GB moved (median of rounds); the targets'
+        # processes are not counted
+        "initiator_cpu_s_per_gb": {
+            label: {k: round(statistics.median(v), 4) for k, v in per.items()}
+            for label, per in cpu.items()
+        },
         "notes": notes,
     }
 
