@@ -11,6 +11,7 @@ from typing import Any
 from helpers import free_port, http_ok, wait_until
 from typer.testing import CliRunner
 
+from mooncake_connectors.bench import tcp_ceiling
 from mooncake_connectors.cli import app
 from mooncake_connectors.errors import MetadataError
 from mooncake_connectors.tls import TlsConfig
@@ -92,6 +93,13 @@ def test_bench_transfer_emits_json() -> None:
     assert row["ours_tcp_tls"] > 0 and "tcp_tls_vs_tcp" in result["ratios"]["READ 1M"]
     # the tcp transport with striping off, beside it
     assert row["ours_tcp_one_stream"] > 0 and "tcp_vs_tcp_one_stream" in result["ratios"]["READ 1M"]
+    # the kernel's loopback TCP ceiling (iperf3), when installed (.ci/run installs it)
+    if tcp_ceiling.available():
+        stream = result["results"]["STREAM"]
+        assert stream["iperf3_1_stream"] > 0 and stream["iperf3_2_streams"] > 0
+        assert result["ratios"]["READ 1M"]["tcp_vs_iperf3_best"] > 0
+    else:
+        assert any("iperf3 not installed" in n for n in result["notes"])
 
 
 def test_bench_store_legs_emits_json() -> None:

@@ -16,7 +16,10 @@ block), so none is measured on one cache-hot address.
   * ``ours_tcp_tls`` (``--tls``): the tcp transport over mutual TLS, both ends holding
     certificates from a fresh ``certs init`` CA, against a second target of ours;
   * ``mooncake_tcp``: Mooncake's own TransferEngine (tcp protocol, P2PHANDSHAKE) when its wheel is
-    installed.
+    installed;
+  * ``iperf3_1_stream`` / ``iperf3_2_streams`` (row ``STREAM``, ``--ceiling``): the kernel's
+    loopback TCP rate as ``iperf3`` (a C program, 1 MiB writes) measures it, one second per
+    round and stream count, when installed: what no TCP design here can beat by much.
 GB/s = bytes moved / wall time, median over rounds. Ratios compare ours with the others.
 ``initiator_cpu_s_per_gb``: CPU seconds the initiator's process spent per GB moved (its every
 thread: Mooncake's workers as ours), what spinning before sleeping costs beside what it saves.
@@ -195,6 +198,7 @@ def run_transfer_benchmark(
     with_mooncake: bool = True,
     progress: Callable[[int, int], None] | None = None,
     tls: bool = False,
+    ceiling: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark; ``progress(done, total)`` is called after each measured case."""
     import numpy as np
@@ -202,6 +206,7 @@ def run_transfer_benchmark(
     from ..transfer_core.engine import TransferEngine, TransferRequest
     from ..transfer_core.memory import SharedBuffer
     from ..transfer_core.metadata.http import MetadataHTTPServer
+    from . import tcp_ceiling
 
     size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
     batch_n, batch_sz = 0, 0
@@ -402,9 +407,21 @@ def run_transfer_benchmark(
                     cases.append(("mooncake_tcp", label, mc_batch(op), batch_n * batch_sz))
         for _, _, fn, _ in cases:  # warm-up: connections, page mappings
             fn()
+        if ceiling and not tcp_ceiling.available():
+            notes.append("iperf3 not installed (apt-get install iperf3): no STREAM row")
+            ceiling = False
         total = rounds * len(cases)
         done = 0
         for rnd in range(rounds):
+            if ceiling:  # in the same window as the cases, a second per round and count
+                for streams, name in ((1, "iperf3_1_stream"), (2, "iperf3_2_streams")):
+                    try:
+                        gbs = tcp_ceiling.loopback_gb_s(streams)
+                    except RuntimeError as exc:
+                        notes.append(f"{name}: {exc}")
+                        ceiling = False
+                        break
+                    results.setdefault("STREAM", {}).setdefault(name, []).append(gbs)
             for group in _shuffled(cases, rnd):
                 for system, label, fn, nbytes in group:
                     gbs, cpu_s = _rate(fn, nbytes)
@@ -443,9 +460,12 @@ def run_transfer_benchmark(
                 if other in row:
                     r[f"{t}_vs_{other}"] = round(ours / row[other], 2)
             copies = table.get(label.replace("READ", "COPY").replace("WRITE", "COPY"), {})
-            for ceiling in ("memcpy", "memcpy_shm"):
-                if copies.get(ceiling):
-                    r[f"{t}_vs_{ceiling}"] = round(ours / copies[ceiling], 2)
+            for bound in ("memcpy", "memcpy_shm"):
+                if copies.get(bound):
+                    r[f"{t}_vs_{bound}"] = round(ours / copies[bound], 2)
+            stream = table.get("STREAM", {})
+            if t == "tcp" and stream:
+                r["tcp_vs_iperf3_best"] = round(ours / max(stream.values()), 2)
         ratios[label] = r
     return {
         "benchmark": "transfer",

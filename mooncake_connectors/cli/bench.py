@@ -47,6 +47,9 @@ def bench_transfer(
     tls: Annotated[
         bool, typer.Option(help="Also run tcp over mutual TLS (a fresh development CA).")
     ] = False,
+    ceiling: Annotated[
+        bool, typer.Option(help="Also measure loopback TCP with iperf3 when it is installed.")
+    ] = True,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -76,6 +79,7 @@ def bench_transfer(
                 with_mooncake=mooncake,
                 progress=advance,
                 tls=tls,
+                ceiling=ceiling,
             )
     emit(result.get("transfer", result) if len(result) == 1 else result, output)
 
