@@ -97,7 +97,7 @@ class _Ours:
             "kv_connector_extra_config": extra
         }
 
-    def env(self) -> dict[str, str]:
+    def env(self, role: str) -> dict[str, str]:
         return {}
 
     def stats_side(self, prefill: VllmServer, decode: VllmServer) -> VllmServer:
@@ -194,7 +194,7 @@ class _Theirs:
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
         }
 
-    def env(self) -> dict[str, str]:
+    def env(self, role: str) -> dict[str, str]:
         return {
             "PYTHONPATH": str(self.patch_dir),
             "MC_TCP_BIND_ADDRESS": "127.0.0.1",
@@ -229,6 +229,45 @@ class _Theirs:
         return out
 
 
+class _Nixl:
+    """vLLM's NixlConnector (its default PD connector) over NIXL's UCX backend, with the KV
+    buffer on the CPU: the prefill answers with where its blocks are, the decode reads them.
+    Like ours it runs its legs one after the other, so its ``decode_leg_ms`` is measured at the
+    same point as ours; its ``transfer_ms`` is the decode side's read, as ours is."""
+
+    name = "vLLM NixlConnector (nixl wheel, UCX, kv_buffer_device=cpu)"
+    pair = "nixl"
+
+    def __init__(self) -> None:
+        self.decode_leg_ms: float | None = None
+        # each engine its own side-channel port (vLLM's default, 5600, would clash)
+        self.side_channel = {"kv_producer": free_port(), "kv_consumer": free_port()}
+
+    def kv(self, role: str) -> dict[str, Any]:
+        # kv_both on both engines: the role of each request comes from its parameters
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+    def env(self, role: str) -> dict[str, str]:
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel[role])}
+
+    def stats_side(self, prefill: VllmServer, decode: VllmServer) -> VllmServer:
+        return decode  # the decode reads and measures
+
+    def run(
+        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
+    ) -> tuple[float, list[int]]:
+        t0 = time.perf_counter()
+        ask = {"do_remote_decode": True, "do_remote_prefill": False}
+        leg = completion(prefill.url, prompt, 1, {"kv_transfer_params": ask})
+        params = leg.get("kv_transfer_params")
+        if not params:
+            raise RuntimeError(f"NixlConnector's prefill gave no kv_transfer_params: {leg}")
+        t1 = time.perf_counter()
+        ms, ids = _stream_decode(decode, prompt, max_tokens, params, t0)
+        self.decode_leg_ms = ms - 1e3 * (t1 - t0)
+        return ms, ids
+
+
 def _stream_decode(
     decode: VllmServer, prompt: list[int], max_tokens: int, params: Any, t0: float
 ) -> tuple[float, list[int]]:
@@ -245,6 +284,7 @@ def run_pd_benchmark(
     rounds: int = 3,
     max_tokens: int = 16,
     with_mooncake: bool = True,
+    with_nixl: bool = True,
     model: Path | None = None,
     layers: int = 4,
     kv_heads: int = 4,
@@ -272,6 +312,12 @@ def run_pd_benchmark(
             skipped = "mooncake-transfer-engine wheel not installed"
         else:
             runners.append(_Theirs(work))
+    skipped_nixl = None
+    if with_nixl:
+        if importlib.util.find_spec("nixl") is None:
+            skipped_nixl = "nixl not installed (pip install nixl): no NixlConnector column"
+        else:
+            runners.append(_Nixl())
     total = len(runners) * len(lengths) * rounds
     done = 0
     max_len = max(lengths) + max_tokens + 64
@@ -350,6 +396,8 @@ def run_pd_benchmark(
     }
     if skipped:
         out["skipped"] = skipped
+    if skipped_nixl:
+        out["skipped_nixl"] = skipped_nixl
     names: dict[type, str] = {}
     for r in runners:
         names.setdefault(type(r), r.name)  # _Ours: the default transports
@@ -370,25 +418,27 @@ def run_pd_benchmark(
         got = ratio(a, b, field)
         if got is not None:
             out[label] = got
-    theirs = next((r for r in runners if isinstance(r, _Theirs)), None)
-    for r in runners:
-        if theirs is None or type(r) is not _Ours:
-            continue
-        tag = "ours_tcp" if r.transports == ["tcp"] else "ours"
-        x, y = results[r.name], results[theirs.name]
-        for field in ("decode_leg_ms", "ttft_ms"):
-            out[f"{field.removesuffix('_ms')}_ratio_{tag}_over_theirs"] = {
-                k: round(x[k][field] / y[k][field], 3)
-                for k in x
-                if x[k][field] and y.get(k, {}).get(field)
-            }
+    for peer_type, peer_tag in ((_Theirs, "theirs"), (_Nixl, "nixl")):
+        peer = next((r for r in runners if isinstance(r, peer_type)), None)
+        for r in runners:
+            if peer is None or type(r) is not _Ours:
+                continue
+            tag = "ours_tcp" if r.transports == ["tcp"] else "ours"
+            x, y = results[r.name], results[peer.name]
+            fields = ("decode_leg_ms", "ttft_ms") + (("transfer_ms",) if peer_tag == "nixl" else ())
+            for field in fields:
+                out[f"{field.removesuffix('_ms')}_ratio_{tag}_over_{peer_tag}"] = {
+                    k: round(x[k][field] / y[k][field], 3)
+                    for k in x
+                    if x[k][field] and y.get(k, {}).get(field)
+                }
     return out
 
 
 def _start_pair(work: Path, model: Path, runner: Any, max_len: int, pin: bool) -> tuple[Any, Any]:
     """A prefill (core 0) and a decode (core 1) engine with ``runner``'s connector, ready;
     ``pin``: each engine's API server and engine core on its core too."""
-    common = {"VLLM_LOG_STATS_INTERVAL": "1", **runner.env()}
+    common = {"VLLM_LOG_STATS_INTERVAL": "1"}
     # Every system's pair is up at once: 256 MiB of KV cache each (65k tokens of this model)
     # instead of vLLM's CPU default of 1 GiB, so six engines fit beside other work.
     args = ("--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(256 << 20))
@@ -400,7 +450,7 @@ def _start_pair(work: Path, model: Path, runner: Any, max_len: int, pin: bool) -
             kv_transfer_config=runner.kv(role),
             max_model_len=max_len,
             args=args,
-            env=common,
+            env={**common, **runner.env(role)},
             pin_all=pin,
         )
         for core, role in ((0, "kv_producer"), (1, "kv_consumer"))

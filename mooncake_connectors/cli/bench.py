@@ -111,6 +111,9 @@ def bench_vllm_pd(
     mooncake: Annotated[
         bool, typer.Option(help="Also run vLLM's MooncakeConnector when Mooncake's wheel is there.")
     ] = True,
+    nixl: Annotated[
+        bool, typer.Option(help="Also run vLLM's NixlConnector (CPU buffer) when nixl is there.")
+    ] = True,
     layers: Layers = 4,
     kv_heads: KvHeads = 4,
     work_dir: WorkDir = None,
@@ -131,7 +134,8 @@ def bench_vllm_pd(
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
-    """vLLM prefill/decode: KV transfer time per request, ours beside vLLM's MooncakeConnector."""
+    """vLLM prefill/decode: KV transfer time per request, ours beside vLLM's MooncakeConnector
+    and NixlConnector."""
     setup_logging(verbose)
     from pathlib import Path
 
@@ -143,6 +147,7 @@ def bench_vllm_pd(
             rounds=rounds,
             max_tokens=max_tokens,
             with_mooncake=mooncake,
+            with_nixl=nixl,
             layers=layers,
             kv_heads=kv_heads,
             work_dir=Path(work_dir) if work_dir else None,
