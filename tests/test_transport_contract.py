@@ -211,3 +211,37 @@ def test_bad_requests_fail_cleanly_and_link_survives(link: Link) -> None:
     assert isinstance(batch.errors[1], AccessViolation)
     e.read(seg, link.local.addr, remote, 4096)  # still serving
     assert sha(link.local.array[:4096]) == link.digest(remote, 4096)
+
+
+@pytest.mark.parametrize("kind", ["memfd", "numpy"])
+def test_run_in_this_thread_reports_each_request(link: Link, kind: str) -> None:
+    # engine.run: a batch driven from the caller's thread (shm: one process_vm call for all of
+    # a peer's plain memory), each request's outcome on the Batch; one refused request in the
+    # middle of READs and WRITEs fails alone and lands nowhere.
+    e, seg, base = link.engine, link.peer.segment, link.remote[kind]
+    n, count = 3000, 40
+    written = pattern(21, n * count)
+    link.local.array[: written.size] = written
+    writes = [
+        TransferRequest(TransferOp.WRITE, seg, link.local.addr + i * n, base + i * n, n)
+        for i in range(count)
+    ]
+    refused = TransferRequest(TransferOp.WRITE, seg, link.local.addr, link.remote["readonly"], 16)
+    batch = e.run([*writes[:20], refused, *writes[20:]], timeout=20)
+    assert batch.done()
+    assert batch.statuses == [TransferStatus.COMPLETED] * 20 + [TransferStatus.FAILED] + [
+        TransferStatus.COMPLETED
+    ] * 20
+    assert isinstance(batch.errors[20], AccessViolation)
+    assert link.digest(base, n * count) == sha(written)
+    assert link.digest(link.remote["readonly"], 16) != sha(written[:16])
+    link.local.array[: written.size] = 0
+    reads = [
+        TransferRequest(TransferOp.READ, seg, link.local.addr + i * n, base + i * n, n)
+        for i in range(count)
+    ]
+    past_end = TransferRequest(TransferOp.READ, seg, link.local.addr, base + SPAN - 8, 64)
+    batch = e.run([past_end, *reads], timeout=20)
+    assert batch.statuses == [TransferStatus.FAILED] + [TransferStatus.COMPLETED] * count
+    assert isinstance(batch.errors[0], AccessViolation)
+    assert sha(link.local.array[: written.size]) == sha(written)

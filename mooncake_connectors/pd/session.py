@@ -294,8 +294,9 @@ class TransferSession(LayerPush):
             )
             t0 = time.perf_counter()
             log.debug("timeline %s transfer_submit %d", spec.request_id, len(reqs))
-            batch = self.engine.submit(reqs, timeout=self.config.transfer_timeout)
-            batch.wait()
+            # in this thread: a hand-off to the transports' threads waits for a time slice on
+            # the engine's busy core
+            batch = self.engine.run(reqs, timeout=self.config.transfer_timeout)
             log.debug("timeline %s transfer_end", spec.request_id)
             failed = set()
             first_error: BaseException | None = None

@@ -675,10 +675,19 @@ class TransferEngine:
         """Submit, wait, and raise the first error."""
         if len(requests) == 1 and self._transfer_one(requests[0], timeout):
             return
+        self.run(requests, timeout).raise_for_status()
+
+    def run(self, requests: Sequence[TransferRequest], timeout: float | None = None) -> Batch:
+        """Submit and wait, moving in this thread what its transports can move here (a shared-
+        memory copy, a direct tcp exchange) instead of handing it to their threads; returns the
+        finished Batch, each request's status and error on it, and raises for none of them.
+        For a caller that waits anyway and wants per-request outcomes: a hand-off to another
+        thread costs a wake-up, and where the cores are busy (an inference engine's worker
+        spinning on the same core) a time slice."""
         batch = self.submit(requests, timeout, _inline=True)
         if batch._pending:
             batch.wait()
-        batch.raise_for_status()
+        return batch
 
     def _transfer_one(self, req: TransferRequest, timeout: float | None) -> bool:
         """``transfer`` of one request that fits one slice, to a peer already known, over a

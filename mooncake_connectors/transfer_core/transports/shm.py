@@ -85,6 +85,51 @@ def process_vm_copy(pid: int, local: int, remote: int, length: int, write: bool)
         done += n
 
 
+_IOV_MAX = 1024  # iovecs per process_vm_readv/writev call (Linux's UIO_MAXIOV)
+
+
+def process_vm_copy_many(
+    pid: int, ranges: Sequence[tuple[int, int, int]], write: bool
+) -> list[OSError | None]:
+    """Copy each (local, remote, length) between our memory and ``pid``'s in as few system
+    calls as the kernel takes (up to 1024 ranges each); per range None or its OSError.
+
+    One call instead of one per range matters beyond the syscalls saved: each ctypes call lets
+    go of the interpreter lock and must get it back, and in a process whose main thread runs
+    Python flat out (an inference engine's worker between steps) getting it back can take the
+    interpreter's whole switch interval, 5 ms. The kernel copies the ranges in order and stops
+    at the first it cannot copy (returning what it copied), so a short count says exactly which
+    ranges are done; the one it stopped in is retried alone to learn its error, and the rest go
+    on after it."""
+    fn = _vm_write if write else _vm_read
+    out: list[OSError | None] = [None] * len(ranges)
+    i, off = 0, 0  # the first range not yet copied, and how much of it already is
+    while i < len(ranges):
+        k = min(len(ranges), i + _IOV_MAX)
+        liov = (_IoVec * (k - i))()
+        riov = (_IoVec * (k - i))()
+        for j in range(i, k):
+            local, remote, length = ranges[j]
+            skip = off if j == i else 0
+            liov[j - i].iov_base, liov[j - i].iov_len = local + skip, length - skip
+            riov[j - i].iov_base, riov[j - i].iov_len = remote + skip, length - skip
+        n = fn(pid, liov, k - i, riov, k - i, 0)
+        if n <= 0:  # nothing of range i could be copied: its error, then on with the next
+            err = ctypes.get_errno() if n < 0 else 0
+            out[i] = OSError(err, os.strerror(err) if err else "process_vm copy made no progress")
+            i, off = i + 1, 0
+            continue
+        while n > 0:  # advance past what the kernel copied
+            left = ranges[i][2] - off
+            if n >= left:
+                n -= left
+                i, off = i + 1, 0
+            else:
+                off += n
+                n = 0
+    return out
+
+
 class _Mapping:
     """A peer's memfd mapped into this process."""
 
@@ -270,6 +315,8 @@ class ShmTransport(Transport):
         if inline_ok or total <= _INLINE_BYTES:
             # The caller waits anyway (or the copy is tiny): copy here. One thread already runs
             # memcpy near memory bandwidth, and a handoff to the workers costs more than it buys.
+            if len(slices) > 1 and current.pid != os.getpid():
+                slices = self._run_grouped(current, slices, fresh)
             for s in slices:
                 self._run(current, s, s.region if fresh else None)
             return
@@ -358,6 +405,38 @@ class ShmTransport(Transport):
 
     def _run(self, peer: SegmentDesc, s: Slice, region: RegionDesc | None) -> None:
         s.complete(self._attempt(peer, s, region))
+
+    def _run_grouped(self, peer: SegmentDesc, slices: Sequence[Slice], fresh: bool) -> list[Slice]:
+        """Copy the slices into and out of ``peer``'s plain (not memfd) memory with one
+        ``process_vm_readv`` and one ``process_vm_writev`` for all of them, each checked against
+        the peer's regions first as ``_copy`` checks it; the slices left for ``_run`` (memfd
+        regions, and any the checks refuse, so their refusal reads as usual)."""
+        rest: list[Slice] = []
+        by_op: tuple[list[Slice], list[Slice]] = ([], [])
+        for s in slices:
+            region = s.region if fresh else peer.find_region(s.remote_addr, s.length)
+            write = s.op is TransferOp.WRITE
+            if (
+                region is None
+                or region.memfd >= 0
+                or not region.contains(s.remote_addr, s.length)
+                or not (_WRITE if write else _READ) & region.access
+            ):
+                rest.append(s)
+            else:
+                by_op[write].append(s)
+        for writes, group in ((False, by_op[0]), (True, by_op[1])):
+            if len(group) < 2:
+                rest.extend(group)
+                continue
+            ranges = [(s.local_addr, s.remote_addr, s.length) for s in group]
+            for s, err in zip(group, process_vm_copy_many(peer.pid, ranges, writes), strict=True):
+                s.complete(
+                    None
+                    if err is None
+                    else TransportBroken(f"shm copy failed: {err}", peer=peer.name, path=s.path)
+                )
+        return rest
 
     def _attempt(
         self, peer: SegmentDesc, s: Slice, region: RegionDesc | None
