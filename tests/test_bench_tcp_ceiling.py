@@ -36,6 +36,8 @@ def test_a_failing_client_is_reported_and_its_server_stopped(
     script.write_text(
         "#!/bin/sh\n"
         f'if [ "$1" = "-s" ]; then echo $$ > {pidfile}; exec sleep 30; fi\n'
+        # the client fails only once the server is up (pid written), so the stop is tested
+        f"i=0; while [ ! -s {pidfile} ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done\n"
         "echo 'boom: no such test' >&2\nexit 1\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
