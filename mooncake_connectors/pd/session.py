@@ -294,8 +294,9 @@ class TransferSession(LayerPush):
             )
             t0 = time.perf_counter()
             log.debug("timeline %s transfer_submit %d", spec.request_id, len(reqs))
-            # in this thread: a hand-off to the transports' threads waits for a time slice on
-            # the engine's busy core
+            # In this thread, as few calls as the transports can make: in vLLM's worker process
+            # each hand-off, and each call that lets go of the interpreter lock, waits for the
+            # engine's busy Python thread to give the lock back (up to 5 ms).
             batch = self.engine.run(reqs, timeout=self.config.transfer_timeout)
             log.debug("timeline %s transfer_end", spec.request_id)
             failed = set()
