@@ -130,6 +130,17 @@ def process_vm_copy_many(
     return out
 
 
+def _permitted(peer: SegmentDesc, s: Slice, region: RegionDesc | None) -> RegionDesc | None:
+    """The peer's region ``s`` may be copied against (``region``, or looked up when None), or
+    None when the slice is not inside one registered with the right it needs."""
+    if region is None:
+        region = peer.find_region(s.remote_addr, s.length)
+    need = _WRITE if s.op is TransferOp.WRITE else _READ
+    if region is None or not region.contains(s.remote_addr, s.length) or not need & region.access:
+        return None
+    return region
+
+
 class _Mapping:
     """A peer's memfd mapped into this process."""
 
@@ -414,17 +425,11 @@ class ShmTransport(Transport):
         rest: list[Slice] = []
         by_op: tuple[list[Slice], list[Slice]] = ([], [])
         for s in slices:
-            region = s.region if fresh else peer.find_region(s.remote_addr, s.length)
-            write = s.op is TransferOp.WRITE
-            if (
-                region is None
-                or region.memfd >= 0
-                or not region.contains(s.remote_addr, s.length)
-                or not (_WRITE if write else _READ) & region.access
-            ):
+            region = _permitted(peer, s, s.region if fresh else None)
+            if region is None or region.memfd >= 0:
                 rest.append(s)
             else:
-                by_op[write].append(s)
+                by_op[s.op is TransferOp.WRITE].append(s)
         for writes, group in ((False, by_op[0]), (True, by_op[1])):
             if len(group) < 2:
                 rest.extend(group)
@@ -452,14 +457,8 @@ class ShmTransport(Transport):
 
     def _copy(self, peer: SegmentDesc, s: Slice, region: RegionDesc | None) -> None:
         write = s.op is TransferOp.WRITE
+        region = _permitted(peer, s, region)
         if region is None:
-            region = peer.find_region(s.remote_addr, s.length)
-        need = _WRITE if write else _READ
-        if (
-            region is None
-            or not region.contains(s.remote_addr, s.length)
-            or not need & region.access
-        ):
             raise AccessViolation(
                 f"{s.remote_addr:#x}+{s.length} is not a registered "
                 f"{'WRITE' if write else 'READ'} range of the peer",
