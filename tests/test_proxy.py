@@ -19,6 +19,7 @@ aiohttp = pytest.importorskip("aiohttp", reason="the proxy extra is not installe
 from aiohttp import web  # noqa: E402
 from fake_http import LoopbackApp  # noqa: E402
 
+from mooncake_connectors.conductor.listener import GuardedListener  # noqa: E402
 from mooncake_connectors.conductor.proxy import PDProxy  # noqa: E402
 
 
@@ -29,6 +30,7 @@ class Upstream(LoopbackApp):
         self.name = name
         self.fail = fail
         self.push_info = False  # answer prefill legs with the engine's side channels
+        self.bare = False  # answer prefill legs without kv_transfer_params
         self.bodies: list[dict[str, Any]] = []
         super().__init__()
         self.app.router.add_post("/v1/completions", self.handle)
@@ -47,6 +49,8 @@ class Upstream(LoopbackApp):
                 "remote_tp_size": 1,
             }
             answer = {"from": self.name} | (engine if self.push_info else {})
+            if self.bare:
+                return web.json_response({"choices": [{"text": "x"}]})
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": answer})
         if body.get("stream"):
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -68,15 +72,12 @@ async def cluster(push: bool = False) -> AsyncIterator[tuple[list[Upstream], lis
         u.push_info = push
         await u.start()
     proxy = PDProxy([u.url for u in prefill], [u.url for u in decode], timeout=10, push=push)
-    runner = web.AppRunner(proxy.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    listener = GuardedListener(proxy.app, "127.0.0.1", 0)  # the proxy command's listener
+    await listener.start()
     try:
-        yield prefill, decode, f"http://127.0.0.1:{port}"
+        yield prefill, decode, f"http://127.0.0.1:{listener.port}"
     finally:
-        await runner.cleanup()
+        await listener.close()
         for u in (*prefill, *decode):
             await u.stop()
 
