@@ -31,6 +31,7 @@ class Upstream(LoopbackApp):
         self.fail = fail
         self.push_info = False  # answer prefill legs with the engine's side channels
         self.bare = False  # answer prefill legs without kv_transfer_params
+        self.delay = 0.0  # seconds before answering
         self.bodies: list[dict[str, Any]] = []
         super().__init__()
         self.app.router.add_post("/v1/completions", self.handle)
@@ -39,6 +40,7 @@ class Upstream(LoopbackApp):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        await asyncio.sleep(self.delay)
         if self.fail:
             return web.json_response({"error": "boom"}, status=500)
         params = body.get("kv_transfer_params") or {}
@@ -65,19 +67,21 @@ class Upstream(LoopbackApp):
 
 
 @contextlib.asynccontextmanager
-async def cluster(push: bool = False) -> AsyncIterator[tuple[list[Upstream], list[Upstream], str]]:
+async def cluster(
+    push: bool = False, **listener: float
+) -> AsyncIterator[tuple[list[Upstream], list[Upstream], str]]:
     prefill = [Upstream("p0"), Upstream("p1")]
     decode = [Upstream("d0"), Upstream("d1")]
     for u in (*prefill, *decode):
         u.push_info = push
         await u.start()
     proxy = PDProxy([u.url for u in prefill], [u.url for u in decode], timeout=10, push=push)
-    listener = GuardedListener(proxy.app, "127.0.0.1", 0)  # the proxy command's listener
-    await listener.start()
+    server = GuardedListener(proxy.app, "127.0.0.1", 0, **listener)  # the proxy command's
+    await server.start()
     try:
-        yield prefill, decode, f"http://127.0.0.1:{listener.port}"
+        yield prefill, decode, f"http://127.0.0.1:{server.port}"
     finally:
-        await listener.close()
+        await server.close()
         for u in (*prefill, *decode):
             await u.stop()
 

@@ -62,6 +62,21 @@ def test_the_client_never_chooses_the_kv_transfer_params(prefill: str) -> None:
     run(go())
 
 
+def test_a_request_being_served_outlives_the_read_deadline() -> None:
+    async def go() -> None:
+        async with cluster(read_deadline=0.3, idle_timeout=0.6) as (prefills, decodes, url):
+            for u in (*prefills, *decodes):
+                u.delay = 0.5  # each leg: longer than the deadline, the two longer than idle
+            body = {"model": "m", "prompt": "p", "max_tokens": 4, "stream": True}
+            async with aiohttp.ClientSession() as s:
+                for _ in range(2):  # and on the same connection again
+                    async with s.post(url + "/v1/completions", json=body) as r:
+                        assert r.status == 200
+                        assert (await r.read()).rstrip().endswith(b"data: [DONE]")
+
+    run(go())
+
+
 def raw_request(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
     """One request over a plain socket (bytes no HTTP client would send); (status, body)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
