@@ -19,6 +19,7 @@ aiohttp = pytest.importorskip("aiohttp", reason="the proxy extra is not installe
 from aiohttp import web  # noqa: E402
 from fake_http import LoopbackApp  # noqa: E402
 
+from mooncake_connectors.conductor.listener import GuardedListener  # noqa: E402
 from mooncake_connectors.conductor.proxy import PDProxy  # noqa: E402
 
 
@@ -29,6 +30,8 @@ class Upstream(LoopbackApp):
         self.name = name
         self.fail = fail
         self.push_info = False  # answer prefill legs with the engine's side channels
+        self.bare = False  # answer prefill legs without kv_transfer_params
+        self.delay = 0.0  # seconds before answering
         self.bodies: list[dict[str, Any]] = []
         super().__init__()
         self.app.router.add_post("/v1/completions", self.handle)
@@ -37,6 +40,7 @@ class Upstream(LoopbackApp):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        await asyncio.sleep(self.delay)
         if self.fail:
             return web.json_response({"error": "boom"}, status=500)
         params = body.get("kv_transfer_params") or {}
@@ -47,6 +51,8 @@ class Upstream(LoopbackApp):
                 "remote_tp_size": 1,
             }
             answer = {"from": self.name} | (engine if self.push_info else {})
+            if self.bare:
+                return web.json_response({"choices": [{"text": "x"}]})
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": answer})
         if body.get("stream"):
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -61,22 +67,21 @@ class Upstream(LoopbackApp):
 
 
 @contextlib.asynccontextmanager
-async def cluster(push: bool = False) -> AsyncIterator[tuple[list[Upstream], list[Upstream], str]]:
+async def cluster(
+    push: bool = False, **listener: float
+) -> AsyncIterator[tuple[list[Upstream], list[Upstream], str]]:
     prefill = [Upstream("p0"), Upstream("p1")]
     decode = [Upstream("d0"), Upstream("d1")]
     for u in (*prefill, *decode):
         u.push_info = push
         await u.start()
     proxy = PDProxy([u.url for u in prefill], [u.url for u in decode], timeout=10, push=push)
-    runner = web.AppRunner(proxy.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server = GuardedListener(proxy.app, "127.0.0.1", 0, **listener)  # the proxy command's
+    await server.start()
     try:
-        yield prefill, decode, f"http://127.0.0.1:{port}"
+        yield prefill, decode, f"http://127.0.0.1:{server.port}"
     finally:
-        await runner.cleanup()
+        await server.close()
         for u in (*prefill, *decode):
             await u.stop()
 

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy extra is not installed")
-from aiohttp import web  # noqa: E402
-
 from mooncake_connectors import certs  # noqa: E402
+from mooncake_connectors.conductor.listener import GuardedListener  # noqa: E402
 from mooncake_connectors.conductor.proxy import PDProxy  # noqa: E402
 from mooncake_connectors.tls import TlsConfig, client_context  # noqa: E402
 
@@ -35,11 +34,9 @@ def node(pki: dict[str, Path], name: str | None) -> TlsConfig:
 async def health(pki: dict[str, Path], client: ssl.SSLContext | None, scheme: str) -> Any:
     proxy = PDProxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], tls=node(pki, "proxy"))
     assert proxy.server_ssl is not None
-    runner = web.AppRunner(proxy.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=proxy.server_ssl)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    listener = GuardedListener(proxy.app, "127.0.0.1", 0, ssl_context=proxy.server_ssl)
+    await listener.start()
+    port = listener.port
     try:
         timeout = aiohttp.ClientTimeout(total=10)
         async with (
@@ -48,7 +45,7 @@ async def health(pki: dict[str, Path], client: ssl.SSLContext | None, scheme: st
         ):
             return r.status
     finally:
-        await runner.cleanup()
+        await listener.close()
 
 
 def run(coro: Any) -> Any:

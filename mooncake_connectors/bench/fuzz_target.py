@@ -133,8 +133,7 @@ class Target:
         self.info["side"] = srv.endpoint
 
     def _start_proxy(self) -> None:
-        from aiohttp import web
-
+        from ..conductor.listener import GuardedListener
         from ..conductor.proxy import PDProxy
 
         # upstreams on a port nothing listens on: every proxied request is an upstream error
@@ -144,13 +143,9 @@ class Target:
 
         def serve() -> None:
             loop = asyncio.new_event_loop()
-            runner = web.AppRunner(proxy.app, access_log=None)
-            loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            loop.run_until_complete(site.start())
-            server = site._server
-            assert server is not None and hasattr(server, "sockets")
-            box["port"] = server.sockets[0].getsockname()[1]
+            listener = GuardedListener(proxy.app, "127.0.0.1", 0)  # the proxy command's listener
+            loop.run_until_complete(listener.start())
+            box["port"] = listener.port
             ready.set()
             loop.run_forever()
 

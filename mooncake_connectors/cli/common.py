@@ -30,7 +30,11 @@ app.add_typer(certs_app, name="certs")
 
 def setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    import rich.table  # noqa: F401  # see below
     from rich.logging import RichHandler
+
+    # RichHandler imports rich.table at its first record: a listener whose first warning is
+    # "accept failed: EMFILE" would get an OSError from the import, out of its accept loop
 
     logging.basicConfig(
         level=level,

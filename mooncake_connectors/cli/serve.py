@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from ..netguard import HTTP_IDLE_TIMEOUT, HTTP_REQUEST_TIMEOUT
 from .common import (
     DEFAULT_TRANSPORT_LIST,
     TlsCa,
@@ -80,6 +81,18 @@ def proxy(
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     timeout: Annotated[float, typer.Option(help="Seconds allowed for one upstream call.")] = 600.0,
+    read_deadline: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds a client has to send a whole request (request line, headers and "
+            "body) from its first byte; the connection is closed after.",
+        ),
+    ] = HTTP_REQUEST_TIMEOUT,
+    idle_timeout: Annotated[
+        float,
+        typer.Option(min=0.001, help="Seconds a client connection may sit with no request."),
+    ] = HTTP_IDLE_TIMEOUT,
     policy: Annotated[
         str,
         typer.Option(
@@ -234,6 +247,8 @@ def proxy(
             options=options,
             push=layerwise_push,
             tls=tls_files(tls_cert, tls_key, tls_ca),
+            read_deadline=read_deadline,
+            idle_timeout=idle_timeout,
         )
     except ConfigError as exc:
         raise SystemExit(f"proxy: {exc}") from exc

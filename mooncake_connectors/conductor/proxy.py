@@ -8,8 +8,17 @@ For ``/v1/completions`` and ``/v1/chat/completions`` (streaming or not) the prox
 2. sends the original request to a decode instance with those ``kv_transfer_params``, and relays
    the answer (or the event stream) to the client unchanged.
 
-If the prefill leg fails, the decode leg runs without transfer parameters: decode computes the
-prompt itself, the client still gets its answer.
+``kv_transfer_params`` belong to the proxy: one a client sends is dropped, so neither leg ever
+carries the client's (a client must not choose where a decode reads KV from). The decode leg's
+are the prefill's answer's, or, with push, the proxy's own; if the prefill leg fails or answers
+without them, the decode leg runs with none: decode computes the prompt itself, the client still
+gets its answer.
+
+Errors: a body that is not a UTF-8 JSON object (or that holds ``NaN``/``Infinity``, or nests
+deeper than 64 levels) is answered 400; a decode instance that cannot be reached, or whose
+answer breaks off, 502; both in the OpenAI error format. The listening port
+(:mod:`.listener`) cuts a request not in within ``read_deadline`` seconds of its first byte and
+a connection idle for ``idle_timeout``, and backs off when ``accept()`` fails (EMFILE).
 
 With ``push=True`` (layer-wise push) both legs start at once once the proxy knows the prefill
 instance (its engine id and side channels, learned from an earlier prefill answer): the prefill
@@ -26,7 +35,7 @@ vLLM KV events (:class:`~.live.KVEventSubscriber`). ``GET /conductor/stats`` and
 ``GET /conductor/decisions`` show the conductor's picture and its recent decisions; answers carry
 ``x-conductor-*`` headers (chosen instances, cached blocks, estimated TTFT).
 
-aiohttp is imported here and in :mod:`.calibrate` only (``pip install
+aiohttp is imported here, in :mod:`.listener` and in :mod:`.calibrate` only (``pip install
 'mooncake-connectors[proxy]'``; vLLM installs it).
 """
 
@@ -39,6 +48,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import signal
 import time
 import uuid
 from collections.abc import Sequence
@@ -50,6 +60,13 @@ from ..errors import ConfigError, ProtocolError
 from ..pd import params as pdp
 from ..tls import TlsConfig, client_context, server_context
 from .estimators import DecodeModel, PrefillModel, TransferModel
+from .listener import (
+    IDLE_TIMEOUT,
+    READ_DEADLINE,
+    GuardedListener,
+    guard_middleware,
+    read_json_object,
+)
 from .live import CacheSource, KVEventSubscriber, LiveConductor, parse_vllm_metrics
 from .scheduler import Conductor, ConductorConfig
 from .store_probe import StoreProbe
@@ -126,7 +143,8 @@ class PDProxy:
         self.prefill_engines: dict[str, pdp.PrefillEngine] = {}
         self._legs: set[asyncio.Task[Any]] = set()  # prefill legs running beside their decode
         self.tokenize = {"calls": 0, "total_s": 0.0, "max_s": 0.0}
-        self.app = web.Application()
+        # the middleware reads each body under the listener's deadline before a handler runs
+        self.app = web.Application(middlewares=[guard_middleware])
         for route in _ROUTES:
             self.app.router.add_post(route, self._handle)
         self.app.router.add_get("/health", self._health)
@@ -169,10 +187,13 @@ class PDProxy:
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         url = self.decode[next(self._next_decode)] + "/v1/models"
-        async with self.session.get(url) as r:
-            return web.Response(
-                body=await r.read(), status=r.status, content_type="application/json"
-            )
+        try:
+            async with self.session.get(url) as r:
+                return web.Response(
+                    body=await r.read(), status=r.status, content_type="application/json"
+                )
+        except (ClientError, asyncio.TimeoutError) as exc:
+            return _error(502, f"decode {url} failed: {exc!r}", "upstream_error")
 
     async def _stats(self, request: web.Request) -> web.Response:
         if self.live is None:
@@ -324,11 +345,11 @@ class PDProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return _error(400, "request body is not JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be an object", "invalid_request_error")
+            body = read_json_object(await request.read())
+        except ProtocolError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        # the proxy's field (see the module docstring): never forwarded from a client
+        body.pop("kv_transfer_params", None)
         if self.live is None:
             prefill, decode = self.prefill[next(self._next_prefill)], None
             return await self._run(request, body, prefill, decode, None, {})
@@ -391,20 +412,28 @@ class PDProxy:
                 }
                 headers.update(extra_headers)
                 if not body.get("stream"):
-                    data = await upstream.read()
+                    try:
+                        data = await upstream.read()
+                    except (ClientError, asyncio.TimeoutError) as exc:
+                        return _error(502, f"decode {url} broke off: {exc!r}", "upstream_error")
                     if live is not None and rid is not None:
                         live.decode_started(rid)
                         out_tokens = _completion_tokens(data)
                     return web.Response(body=data, status=upstream.status, headers=headers)
                 out = web.StreamResponse(status=upstream.status, headers=headers)
                 await out.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    if live is not None and rid is not None:
-                        if out_tokens == 0:
-                            live.decode_started(rid)
-                        out_tokens += chunk.count(b"data: {")  # ~one token per event
-                    await out.write(chunk)
-                await out.write_eof()
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        if live is not None and rid is not None:
+                            if out_tokens == 0:
+                                live.decode_started(rid)
+                            out_tokens += chunk.count(b"data: {")  # ~one token per event
+                        await out.write(chunk)
+                    await out.write_eof()
+                except (ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+                    # the status is sent: end the connection so the stream reads as cut short
+                    log.warning("stream from %s to the client broke off: %r", url, exc)
+                    out.force_close()
                 return out
         finally:
             if live is not None and rid is not None:
@@ -581,8 +610,12 @@ def run_proxy(
     options: ConductorOptions | None = None,
     push: bool = False,
     tls: TlsConfig | None = None,
+    read_deadline: float = READ_DEADLINE,
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> None:
-    """Serve the proxy in the foreground until interrupted (round-robin without ``options``)."""
+    """Serve the proxy in the foreground until SIGINT or SIGTERM (round-robin without
+    ``options``); ``read_deadline`` and ``idle_timeout`` bound each client connection (see
+    :mod:`.listener`)."""
     live = None
     kv_events: dict[str, str] = {}
     interval = 1.0
@@ -596,6 +629,22 @@ def run_proxy(
         prefill, decode, timeout=timeout, live=live, kv_events=kv_events,
         metrics_interval=interval, push=push, tls=tls,
     )  # fmt: skip
-    web.run_app(
-        proxy.app, host=host, port=port, print=None, access_log=None, ssl_context=proxy.server_ssl
-    )
+    asyncio.run(_serve(proxy, host, port, read_deadline, idle_timeout))
+
+
+async def _serve(
+    proxy: PDProxy, host: str, port: int, read_deadline: float, idle_timeout: float
+) -> None:
+    listener = GuardedListener(
+        proxy.app, host, port, ssl_context=proxy.server_ssl,
+        read_deadline=read_deadline, idle_timeout=idle_timeout,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await listener.start()
+        await stop.wait()
+    finally:
+        await listener.close()
