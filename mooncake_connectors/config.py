@@ -170,6 +170,9 @@ class EngineConfig(Credentials):
     backoff_initial / backoff_max: cool-down of a failing path, doubled per failure and decayed
         by successes.
     metrics_port: serve Prometheus metrics on host:metrics_port when set.
+    metadata_lease: seconds a published segment descriptor lives in a central metadata service
+        (http, etcd) unless renewed; the engine renews it every third of that, so the
+        descriptor of a process that was killed disappears after at most this long (0: never).
     tls_cert / tls_key / tls_ca: PEM files; with a certificate the tcp data plane, the p2p
         endpoint and /metrics speak TLS (and https:// metadata URLs are used with them), with a
         CA they require a peer certificate signed by it (see :mod:`mooncake_connectors.tls`).
@@ -192,6 +195,7 @@ class EngineConfig(Credentials):
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     metrics_port: int | None = None
+    metadata_lease: float = 60.0
 
     def __post_init__(self) -> None:
         check_host(self.host)
@@ -233,6 +237,10 @@ class EngineConfig(Credentials):
                 raise ConfigError(f"{name} must be > 0, got {value}")
         if self.backoff_initial > self.backoff_max:
             raise ConfigError("backoff_initial must not exceed backoff_max")
+        if not (self.metadata_lease == 0 or 0.2 <= self.metadata_lease <= 86400):
+            raise ConfigError(
+                f"metadata_lease must be 0 or 0.2..86400 s, got {self.metadata_lease}"
+            )
         if self.metrics_port is not None:
             _check_port(self.metrics_port, "metrics_port")
 

@@ -22,6 +22,7 @@ import logging
 import socket
 import ssl
 import sys
+import threading
 import time
 from typing import Any
 
@@ -42,25 +43,68 @@ def listener_closed(exc: OSError) -> bool:
 
 
 class RateLimitedLog:
-    """A warning at most once per ``every`` seconds; the lines it held back are counted."""
+    """The lines of one call site: the first ``burst`` of every ``every`` seconds are logged,
+    the rest counted, and the next line logged says how many were suppressed. One instance per
+    call site that a peer can trigger at will (hostile input must not flood the log: a fuzz run
+    once left 3,418 lines); thread-safe, as such input arrives on many connections at once."""
 
-    def __init__(self, logger: logging.Logger, every: float = LOG_EVERY) -> None:
+    def __init__(self, logger: logging.Logger, every: float = LOG_EVERY, burst: int = 1) -> None:
         self.logger = logger
         self.every = every
-        self._next = 0.0
+        self.burst = burst
+        self._window_end = 0.0
+        self._left = 0
         self._held = 0
+        self._lock = threading.Lock()
 
     def warning(self, fmt: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            self._held += 1
+        self.log(logging.WARNING, fmt, *args)
+
+    def info(self, fmt: str, *args: object) -> None:
+        self.log(logging.INFO, fmt, *args)
+
+    def exception(self, fmt: str, *args: object) -> None:
+        """An ERROR line with the traceback being handled (for the lines that are logged)."""
+        self.log(logging.ERROR, fmt, *args, exc_info=True)
+
+    def log(self, level: int, fmt: str, *args: object, exc_info: bool = False) -> None:
+        if not self.logger.isEnabledFor(level):
             return
-        held, self._held = self._held, 0
-        self._next = now + self.every
+        now = time.monotonic()
+        with self._lock:
+            if now >= self._window_end:
+                self._window_end = now + self.every
+                self._left = self.burst
+            if self._left <= 0:
+                self._held += 1
+                return
+            self._left -= 1
+            held, self._held = self._held, 0
         if held:
-            self.logger.warning(fmt + " (%d similar not logged)", *args, held)
+            self.logger.log(level, fmt + " (suppressed %d similar)", *args, held, exc_info=exc_info)
         else:
-            self.logger.warning(fmt, *args)
+            self.logger.log(level, fmt, *args, exc_info=exc_info)
+
+
+class SiteLogs:
+    """One :class:`RateLimitedLog` per call site (a short name), made at its first line: for a
+    server's warnings about what its peers send, ``burst`` lines per site every ``every`` s."""
+
+    def __init__(self, logger: logging.Logger, every: float = LOG_EVERY, burst: int = 5) -> None:
+        self.logger = logger
+        self.every = every
+        self.burst = burst
+        self._sites: dict[str, RateLimitedLog] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, site: str) -> RateLimitedLog:
+        rl = self._sites.get(site)
+        if rl is None:
+            with self._lock:
+                rl = self._sites.setdefault(
+                    site, RateLimitedLog(self.logger, self.every, self.burst)
+                )
+        return rl
 
 
 class AcceptBackoff:

@@ -193,6 +193,30 @@ def test_transfer_requests_with_bad_fields_are_config_errors() -> None:
         assert (dst.array[:100] == 7).all() and not dst.array[100:].any()
 
 
+def test_an_allocation_the_host_cannot_back_is_a_config_error() -> None:
+    with TransferEngine(EngineConfig(metadata="memory", transports=("tcp",))) as eng:
+        for size in (1 << 50, 1 << 70, 1.5, "4096"):  # ENOMEM, past a C long, not ints
+            with pytest.raises(ConfigError, match="buffer"):
+                eng.allocate_buffer(size)  # type: ignore[arg-type]
+        assert eng.allocate_buffer(np.int64(4096)).size == 4096  # numpy ints are ints
+    c = CompatEngine()
+    assert c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        assert c.allocate_managed_buffer(1 << 50) == 0
+    finally:
+        c.close()
+
+
+def test_values_that_are_no_buffers_are_config_errors(master: Master) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=4 << 20)) as c:
+        for value in ("str", None, 7, object()):
+            with pytest.raises(ConfigError, match=f"not {type(value).__name__}"):
+                c.put("v", value)
+            with pytest.raises(ConfigError):
+                c.put_batch(["fine", "v"], [b"1", value])
+        assert not c.exists("v") and not c.exists("fine")  # a refused batch stored nothing
+
+
 @pytest.mark.parametrize("key", ["\ud800", "a\udfffb", "", "k" * 5000])
 def test_bad_keys_are_config_errors_in_client_and_compat(master: Master, key: str) -> None:
     with StoreClient(ClientConfig(master=master.address, global_segment_size=4 << 20)) as c:

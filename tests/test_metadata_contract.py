@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers import EtcdServer
+from helpers import EtcdServer, wait_until
 
+from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import MetadataError, SegmentNotFound
+from mooncake_connectors.transfer_core import TransferEngine
 from mooncake_connectors.transfer_core.descriptor import RegionDesc, SegmentDesc
 from mooncake_connectors.transfer_core.metadata import MetadataBackend, open_metadata
 from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
+from mooncake_connectors.transfer_core.metadata.memory import MemoryMetadata
 
 Pair = tuple[MetadataBackend, MetadataBackend]
 
@@ -116,6 +123,91 @@ def test_key_value_contract(kind: str, request: pytest.FixtureRequest) -> None:
     finally:
         for k in m.list(""):
             m.delete(k)
+        m.close()
+        if srv is not None:
+            srv.stop()
+
+
+# -- a descriptor lives as long as its publisher ---------------------------------------------------
+def test_a_leased_descriptor_expires_unless_renewed(pair: Pair) -> None:
+    a, b = pair
+    name = a.segment_name("seg-l")
+    a.publish_segment(_desc(name), lease=1.0)
+    assert b.lookup_segment(name) == _desc(name)
+    if not a.central:  # memory, p2p: in-process, the descriptor goes with its process
+        return
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.0:  # renewed: it stays (etcd rounds a lease up to 2 s)
+        a.publish_segment(_desc(name, epoch=1), lease=1.0)
+        assert b.lookup_segment(name).epoch == 1
+        later = time.monotonic() + 0.3
+        wait_until(lambda at=later: time.monotonic() > at, 5, "0.3 s")
+    wait_until(lambda: gone(b, name), 15, "the lease to run out")
+    a.publish_segment(_desc(name))  # and without a lease nothing expires it
+    assert b.lookup_segment(name) == _desc(name)
+
+
+def test_an_engine_withdraws_its_descriptor_at_close(pair: Pair) -> None:
+    a, b = pair
+    url = a.url if a.central else "p2p"  # type: ignore[attr-defined]
+    if isinstance(a, MemoryMetadata):
+        url = "memory://contract"
+    cfg = EngineConfig(metadata=url, transports=("tcp",), metadata_lease=1.0)
+    e = TransferEngine(cfg).start()
+    name = e.segment_name
+    assert b.lookup_segment(name).pid == os.getpid()
+    if a.central:  # its keep-alive renews the lease: still there after two of them
+        later = time.monotonic() + 2.5
+        wait_until(lambda: time.monotonic() > later, 10, "2.5 s")
+        assert b.lookup_segment(name).pid == os.getpid()
+    e.close()
+    assert gone(b, name)
+
+
+def gone(m: MetadataBackend, name: str) -> bool:
+    try:
+        m.lookup_segment(name)
+    except SegmentNotFound:
+        return True
+    return False
+
+
+EXITS = """
+import os, sys
+from mooncake_connectors.config import EngineConfig
+from mooncake_connectors.transfer_core import TransferEngine
+e = TransferEngine(EngineConfig(metadata=sys.argv[1], transports=("tcp",), metadata_lease=1.0))
+print(e.start().segment_name, flush=True)
+if sys.argv[2] == "_exit":
+    os._exit(0)  # no atexit: only the lease can end the descriptor
+"""  # (and "exit": ends without close(), as a compat script does)
+
+
+@pytest.mark.parametrize("how", ["exit", "_exit"])
+@pytest.mark.parametrize("kind", ["http", "etcd"])
+def test_a_process_that_exits_without_close_leaves_no_descriptor(
+    kind: str, how: str, request: pytest.FixtureRequest
+) -> None:
+    srv = None
+    if kind == "etcd":
+        url = request.getfixturevalue("etcd").url + "/exits"
+    else:
+        srv = MetadataHTTPServer("127.0.0.1", 0).start()
+        url = srv.url
+    m = open_metadata(url)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", EXITS, url, how], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        name = proc.stdout.split()[-1]
+        t0 = time.monotonic()
+        if how == "exit":
+            assert gone(m, name)  # withdrawn at exit
+        else:
+            wait_until(lambda: gone(m, name), 15, "the lease to run out")
+            assert time.monotonic() - t0 < 10.0
+    finally:
         m.close()
         if srv is not None:
             srv.stop()

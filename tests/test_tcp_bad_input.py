@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.errors import AuthenticationError
 from mooncake_connectors.transfer_core import TransferEngine
-from mooncake_connectors.transfer_core.transports import wire
+from mooncake_connectors.transfer_core.transports import tcp_server, wire
 
 TOKEN = "s3cret-token"
 
@@ -163,3 +165,40 @@ def test_token_is_required_and_checked() -> None:
         c.close()
     finally:
         e.close()
+
+
+def test_a_flood_of_bad_clients_logs_a_bounded_number_of_lines(
+    target: tuple[TransferEngine, np.ndarray], caplog: pytest.LogCaptureFixture
+) -> None:
+    """1,000 hostile connections (a wrong version, then garbage frames) cost a few lines per
+    kind, and the next line logged says how many were suppressed (it was one line each)."""
+    e, buf = target
+    noisy = e.transports[0]._server.noisy  # type: ignore[attr-defined]
+    noisy.every = 2.0  # (a short window, so the summary line comes within the test)
+    with caplog.at_level(logging.INFO, logger=tcp_server.__name__):
+        t0 = time.monotonic()
+        for i in range(1000):
+            if i % 2:
+                s, verdict = connect(e, version=wire.VERSION + 1)
+                assert verdict == wire.VERDICT_BAD_VERSION
+            else:
+                s, verdict = connect(e)
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(wire.REQ.size))
+                assert response(s)[0] == wire.ST_PROTOCOL
+            assert closed(s)
+            s.close()
+        burst = time.monotonic() - t0 < noisy.every  # all in one window (a fast machine)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) <= 40, len(lines)  # (was 1,000)
+        deadline = time.monotonic() + 30
+        while not any("suppressed" in m for m in lines) and time.monotonic() < deadline:
+            s, _ = connect(e, version=wire.VERSION + 1)  # one more, after the window
+            closed(s)
+            s.close()
+            lines = [r.getMessage() for r in caplog.records]
+            time.sleep(0.1)
+    summary = [m for m in lines if "suppressed" in m]
+    assert summary, lines
+    if burst:
+        assert any(int(m.rsplit("suppressed ", 1)[1].split()[0]) >= 400 for m in summary), summary
+    still_serves(e, buf)

@@ -40,7 +40,7 @@ from ..errors import (
     TransferTimeout,
     TransportBroken,
 )
-from ..netguard import RateLimitedLog
+from ..netguard import RateLimitedLog, SiteLogs
 from .curve import CurveIdentity, split_endpoint
 from .messages import (
     Done,
@@ -75,6 +75,7 @@ class SideChannelServer:
         self._layout = layout
         self._curve = curve
         self._refused = RateLimitedLog(log)
+        self._noisy = SiteLogs(log)  # what peers send: bounded lines, however much they send
         self._on_done = on_done
         self._on_push_target = on_push_target
         self._on_push_done = on_push_done
@@ -143,7 +144,7 @@ class SideChannelServer:
             try:
                 msg = decode(payload)
             except ProtocolError as exc:
-                log.warning("side channel %s: %s", self.endpoint, exc)
+                self._noisy("undecodable").warning("side channel %s: %s", self.endpoint, exc)
                 continue
             try:
                 if isinstance(msg, LayoutRequest):
@@ -157,7 +158,9 @@ class SideChannelServer:
                 elif isinstance(msg, PushDone) and self._on_push_done is not None:
                     self._on_push_done(msg)
             except Exception:  # one bad exchange must not end the side channel
-                log.exception("side channel %s: cannot handle %r", self.endpoint, msg)
+                self._noisy("unhandled").exception(
+                    "side channel %s: cannot handle %r", self.endpoint, msg
+                )
 
     def _recv(self) -> tuple[bytes, bytes] | None:
         """(sender, message) of the next message; None for one dropped (a frame count we do not

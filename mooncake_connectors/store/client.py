@@ -91,7 +91,13 @@ def check_keys(keys: Sequence[str]) -> None:
 
 
 def _as_bytes(value: Any) -> memoryview:
-    mv = memoryview(value)
+    try:
+        mv = memoryview(value)
+    except TypeError as exc:
+        # str, None, int...: a value is bytes-like; encoding a str is the caller's choice.
+        raise ConfigError(
+            f"a value must be a contiguous bytes-like buffer, not {type(value).__name__}"
+        ) from exc
     if not mv.c_contiguous:
         raise ConfigError("values must be C-contiguous buffers")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

@@ -32,7 +32,7 @@ import msgspec
 
 from ..config import is_loopback
 from ..errors import AuthenticationError, ProtocolError
-from ..netguard import MIN_RATE, AcceptBackoff, RateLimitedLog
+from ..netguard import MIN_RATE, AcceptBackoff, RateLimitedLog, SiteLogs
 from ..tls import (
     TlsConfig,
     client_context,
@@ -169,6 +169,7 @@ class FrameServer:
         self._resume_at = 0.0  # accepting is paused until then (0: not paused)
         self._next_sweep = 0.0
         self._limit_log = RateLimitedLog(log)
+        self._noisy = SiteLogs(log)  # one line per refused peer would let peers flood the log
         self.token = token
         self.tick = tick
         self.on_close = on_close
@@ -458,12 +459,12 @@ class FrameServer:
             why = "wrong token"
         else:
             why = "this port requires a token (--auth-token / MOONCAKE_CONNECTORS_STORE_TOKEN)"
-        log.warning("%s: %s from %s; closing it", self.name, why, conn.peer)
+        self._noisy("auth").warning("%s: %s from %s; closing it", self.name, why, conn.peer)
         conn.closing = True  # what else it sent is dropped; closed once the answer is out
         return Err(int(Code.UNAUTHORIZED), why)
 
     def _refuse(self, conn: Conn, why: str) -> None:
-        log.info("%s: %s from %s; closing it", self.name, why, conn.peer)
+        self._noisy("refused").info("%s: %s from %s; closing it", self.name, why, conn.peer)
         self.send(conn, frame(Err(int(Code.PROTOCOL), why), 0))
         conn.closing = True
         conn.rbuf.clear()

@@ -53,6 +53,7 @@ from .gpu_memory import check_device_ranges, check_host_ranges
 from .health import PathHealth
 from .memory import LocalSegment, Region, SharedBuffer, buffer_region, check_mapped, mappings
 from .metadata import MetadataBackend, open_metadata, scheme_of
+from .metadata.lease import Publication
 from .transport import TRANSPORTS, Slice, Transport, TransportContext
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class TransferEngine:
         self._started = False
         self._closed = False
         self._publish_lock = threading.Lock()
+        self._publication: Publication | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -154,6 +156,10 @@ class TransferEngine:
             self._name = self.metadata.segment_name(preferred)
             self._endpoints = endpoints
             self._started = True
+            # (a server this process embeds goes with it: nothing to withdraw from it at exit)
+            self._publication = Publication(
+                self.metadata, cfg.metadata_lease, withdraw_at_exit=self._embedded_server is None
+            )
             self._publish()
         except BaseException:
             self._started = True
@@ -224,7 +230,10 @@ class TransferEngine:
             return
         with self._publish_lock:
             desc = self._descriptor()
-            self.metadata.publish_segment(desc)
+            if self._publication is not None:
+                self._publication.publish(desc)
+            else:
+                self.metadata.publish_segment(desc)
             for t in self.transports:
                 t.local_changed(desc.epoch)
 
@@ -235,6 +244,8 @@ class TransferEngine:
         self._stop.set()
         with self._watch_cv:
             self._watch_cv.notify_all()
+        if self._publication is not None:
+            self._publication.stop()
         if self.metadata is not None and self._name:
             try:
                 self.metadata.remove_segment(self._name)
@@ -252,8 +263,9 @@ class TransferEngine:
 
     def abandon(self) -> None:
         """For a finalizer at interpreter exit: mark the engine closed and wait for nothing
-        (its threads may be frozen). Sockets and memory go with the process; the segment stays
-        published, as that of any process that exited."""
+        (its threads may be frozen). Sockets and memory go with the process; the descriptor
+        was withdrawn at ``atexit`` where that could be done, and its lease ends it otherwise
+        (``metadata.lease``)."""
         self._closed = True
         self._stop.set()
 

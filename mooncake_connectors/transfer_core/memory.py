@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import functools
 import mmap
+import operator
 import os
 import threading
 from typing import Any
@@ -98,14 +99,27 @@ class SharedBuffer:
     def __init__(self, size: int, name: str = "mooncake-connectors") -> None:
         import numpy as np
 
+        try:
+            size = operator.index(size)  # numpy ints too; a float or str is refused
+        except TypeError:
+            raise ConfigError(f"buffer size must be an int, got {size!r}") from None
         if size <= 0:
             raise ConfigError(f"buffer size must be > 0, got {size}")
         self.size = size
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise ConfigError(f"cannot create a {size}-byte buffer: {exc.strerror}") from exc
         try:
             os.ftruncate(self.fd, size)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(self.fd, size, flags=flags)
+        except (OSError, OverflowError) as exc:
+            # ENOMEM/EFBIG/ENOSPC: the host cannot back this size (the memfd is sparse until
+            # mapped, so this is where an oversized request is refused).
+            os.close(self.fd)
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            raise ConfigError(f"cannot allocate a {size}-byte buffer: {why}", size=size) from exc
         except BaseException:
             os.close(self.fd)
             raise

@@ -21,6 +21,9 @@ class MetadataBackend(abc.ABC):
     """Where segment descriptors (and small shared state such as heartbeats) live."""
 
     scheme: ClassVar[str]
+    # True where descriptors live in a service that outlives this process (http, etcd): there a
+    # descriptor is published with a lease its publisher renews, and withdrawn at exit.
+    central: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -47,8 +50,16 @@ class MetadataBackend(abc.ABC):
         """The name this process's segment must use (p2p needs its own address)."""
         return preferred
 
-    def publish_segment(self, desc: SegmentDesc) -> None:
+    def publish_segment(self, desc: SegmentDesc, lease: float = 0.0) -> None:
+        """Publish (or renew) ``desc``. With ``lease`` > 0 a central service drops it unless it
+        is published again within that many seconds; an in-process store ignores the lease
+        (its descriptors go with the process)."""
         self.put(SEGMENT_PREFIX + desc.name, encode_segment(desc))
+
+    def withdraw_segment(self, name: str, timeout: float) -> None:  # noqa: B027 - optional
+        """Remove ``name``'s descriptor at interpreter exit: best effort, within ``timeout``,
+        on a connection of its own (another thread may hold the usual one), and never raising.
+        Nothing to do for an in-process store."""
 
     def lookup_segment(self, name: str) -> SegmentDesc:
         data = self.get(SEGMENT_PREFIX + name)

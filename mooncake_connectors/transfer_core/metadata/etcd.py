@@ -3,11 +3,14 @@
 Uses the ``python3-etcd3`` client (``import etcd3``; works on current protobuf, unlike etcd3 0.12).
 URL: ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``. Every call has the engine's connect timeout;
 when an endpoint fails the next one is tried, and if all fail a MetadataError names them.
+A segment published with a lease is attached to an etcd lease of that TTL (whole seconds),
+refreshed by each renewal; etcd deletes it when the publisher stops renewing.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,7 +18,8 @@ from typing import Any, TypeVar
 from ...config import EngineConfig
 from ...errors import ConfigError, MetadataError
 from ...plugins import hookimpl
-from .base import MetadataBackend
+from ..descriptor import SegmentDesc, encode_segment
+from .base import SEGMENT_PREFIX, MetadataBackend
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,6 +39,7 @@ def parse_etcd_url(url: str) -> tuple[list[tuple[str, int]], str]:
 
 class EtcdMetadata(MetadataBackend):
     scheme = "etcd"
+    central = True
 
     def __init__(self, url: str, *, timeout: float = 5.0) -> None:
         try:
@@ -51,6 +56,7 @@ class EtcdMetadata(MetadataBackend):
         self._clients: dict[int, Any] = {}
         self._current = 0
         self._lock = threading.Lock()
+        self._leases: dict[str, int] = {}  # segment name -> the etcd lease id it is put under
 
     @classmethod
     def from_url(cls, url: str, config: EngineConfig | None = None) -> EtcdMetadata:
@@ -101,6 +107,48 @@ class EtcdMetadata(MetadataBackend):
         items = self._call(lambda c: list(c.get_prefix(self.prefix + prefix)))
         n = len(self.prefix)
         return {meta.key.decode()[n:]: bytes(value) for value, meta in items}
+
+    def publish_segment(self, desc: SegmentDesc, lease: float = 0.0) -> None:
+        key, value = self.prefix + SEGMENT_PREFIX + desc.name, encode_segment(desc)
+        if lease <= 0:
+            self._call(lambda c: c.put(key, value))
+            return
+        lease_id = self._leases.get(desc.name)
+        if lease_id is not None:  # a renewal: keep the lease alive (gone after an outage: anew)
+            answers = self._call(lambda c: list(c.refresh_lease(lease_id)))
+            if not answers or answers[0].TTL <= 0:
+                lease_id = None
+        if lease_id is None:
+            ttl = max(1, math.ceil(lease))
+            lease_id = int(self._call(lambda c: c.lease(ttl)).id)
+            self._leases[desc.name] = lease_id
+        held = lease_id
+        self._call(lambda c: c.put(key, value, lease=held))
+
+    def remove_segment(self, name: str) -> bool:
+        lease_id = self._leases.pop(name, None)
+        if lease_id is not None:
+            self._call(lambda c: c.revoke_lease(lease_id))  # (deletes the key with it)
+        return bool(self._call(lambda c: c.delete(self.prefix + SEGMENT_PREFIX + name))) or (
+            lease_id is not None
+        )
+
+    def withdraw_segment(self, name: str, timeout: float) -> None:
+        host, port = self.endpoints[self._current]
+        try:  # a client of its own: another thread may be inside the usual one
+            c = self._etcd3.client(host=host, port=port, timeout=timeout)
+        except Exception as exc:  # grpc and etcd3 errors: nothing to do at exit
+            log.debug("withdrawing segment %s at exit: %s", name, exc)
+            return
+        try:
+            c.delete(self.prefix + SEGMENT_PREFIX + name)
+        except Exception as exc:  # as above
+            log.debug("withdrawing segment %s at exit: %s", name, exc)
+        finally:
+            try:
+                c.close()
+            except Exception as exc:  # as above
+                log.debug("closing the exit-time etcd client: %s", exc)
 
     def _drop(self, i: int) -> None:
         c = self._clients.pop(i, None)

@@ -2,7 +2,7 @@
 
 Endpoint (``PATH`` defaults to ``/metadata``, as Mooncake's own HTTP metadata server):
     GET    PATH?key=K      200 value | 404
-    PUT    PATH?key=K      body = value; 200
+    PUT    PATH?key=K      body = value; 200 (``&ttl=SECONDS``: dropped unless PUT again by then)
     DELETE PATH?key=K      200 | 404
     GET    PATH?prefix=P   200 msgpack {key: value}
     GET    /health         200 "ok"
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import http.client
 import logging
+import math
 import ssl
 import sys
 import threading
+import time
 import urllib.parse
 
 import msgspec
@@ -30,11 +32,13 @@ from ...errors import ConfigError, MetadataError
 from ...netguard import HTTP_REQUEST_TIMEOUT, GuardedHandler, GuardedHTTPServer
 from ...plugins import hookimpl
 from ...tls import TlsConfig, client_context, server_context
-from .base import MetadataBackend
+from ..descriptor import SegmentDesc, encode_segment
+from .base import SEGMENT_PREFIX, MetadataBackend
 
 log = logging.getLogger(__name__)
 
 MAX_VALUE = 64 * 1024 * 1024
+MAX_TTL = 86400.0  # a lease longer than a day is a mistake, not a lease
 _list_codec = msgspec.msgpack.Decoder(dict[str, bytes])
 
 
@@ -77,6 +81,7 @@ class _Handler(GuardedHandler):
         store = self.server.store
         if "key" in q:
             with self.server.lock:
+                self.server.expire(time.monotonic())
                 value = store.get(q["key"])
             if value is None:
                 self._reply(404, b"no such key", "text/plain")
@@ -85,6 +90,7 @@ class _Handler(GuardedHandler):
         elif "prefix" in q:
             p = q["prefix"]
             with self.server.lock:
+                self.server.expire(time.monotonic())
                 items = {k: v for k, v in store.items() if k.startswith(p)}
             self._reply(200, msgspec.msgpack.encode(items), "application/msgpack")
         else:
@@ -113,12 +119,24 @@ class _Handler(GuardedHandler):
             self._reply(413, b"value missing or larger than 64 MiB", "text/plain")
             self.close_connection = True
             return
+        ttl = _ttl(q.get("ttl"))
+        if ttl is None:
+            self._reply(400, b"ttl must be a number of seconds in (0, 86400]", "text/plain")
+            self.close_connection = True
+            return
         body = self.rfile.read(length)
         if len(body) != length:
             self.close_connection = True
             return
+        key = q["key"]
         with self.server.lock:
-            self.server.store[q["key"]] = body
+            now = time.monotonic()
+            self.server.expire(now)
+            self.server.store[key] = body
+            if ttl:
+                self.server.expiry[key] = now + ttl
+            else:
+                self.server.expiry.pop(key, None)
         self._reply(200)
 
     def do_DELETE(self) -> None:
@@ -126,9 +144,23 @@ class _Handler(GuardedHandler):
         if r is None or not self._writable():
             return
         _, q = r
+        key = q.get("key", "")
         with self.server.lock:
-            found = self.server.store.pop(q.get("key", ""), None) is not None
+            self.server.expire(time.monotonic())
+            found = self.server.store.pop(key, None) is not None
+            self.server.expiry.pop(key, None)
         self._reply(200 if found else 404)
+
+
+def _ttl(raw: str | None) -> float | None:
+    """A PUT's lease: 0.0 for none, None when it is no number of seconds in (0, MAX_TTL]."""
+    if raw is None:
+        return 0.0
+    try:
+        ttl = float(raw)
+    except ValueError:
+        return None
+    return ttl if math.isfinite(ttl) and 0 < ttl <= MAX_TTL else None
 
 
 class _Server(GuardedHTTPServer):
@@ -149,7 +181,19 @@ class _Server(GuardedHTTPServer):
         self.token = token
         self.writable = writable
         self.store: dict[str, bytes] = {}
+        self.expiry: dict[str, float] = {}  # key -> monotonic time its lease runs out
+        self._next_sweep = 0.0
         self.lock = threading.Lock()
+
+    def expire(self, now: float) -> None:
+        """Drop the keys whose lease ran out (caller holds ``lock``); a sweep at most every
+        0.1 s, so a lookup costs a dict probe, not a scan of every lease."""
+        if not self.expiry or now < self._next_sweep:
+            return
+        self._next_sweep = now + 0.1
+        for key in [k for k, t in self.expiry.items() if t <= now]:
+            del self.expiry[key]
+            self.store.pop(key, None)
 
 
 class MetadataHTTPServer:
@@ -263,6 +307,13 @@ class HttpClient:
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
 
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        if self.tls is not None:
+            return http.client.HTTPSConnection(
+                self.host, self.port, timeout=timeout, context=self.tls
+            )
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
     def request(
         self, method: str, query: dict[str, str], body: bytes | None = None
     ) -> tuple[int, bytes]:
@@ -273,13 +324,7 @@ class HttpClient:
         with self._lock:
             for attempt in (0, 1):  # one reconnect: a kept-alive connection may have gone stale
                 if self._conn is None:
-                    self._conn = (
-                        http.client.HTTPSConnection(
-                            self.host, self.port, timeout=self.timeout, context=self.tls
-                        )
-                        if self.tls is not None
-                        else http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-                    )
+                    self._conn = self._connect(self.timeout)
                 try:
                     self._conn.request(method, target, body=body, headers=headers)
                     resp = self._conn.getresponse()
@@ -315,6 +360,7 @@ class HttpMetadata(HttpClient, MetadataBackend):
     (its constructor and :meth:`close` are the client's)."""
 
     scheme = "http"
+    central = True
 
     @classmethod
     def from_url(cls, url: str, config: EngineConfig | None = None) -> HttpMetadata:
@@ -322,9 +368,28 @@ class HttpMetadata(HttpClient, MetadataBackend):
             return cls(url)
         return cls(url, timeout=config.connect_timeout, token=config.auth_token, tls=config.tls)
 
-    def put(self, key: str, value: bytes) -> None:
-        status, data = self.request("PUT", {"key": key}, bytes(value))
+    def put(self, key: str, value: bytes, ttl: float = 0.0) -> None:
+        query = {"key": key, "ttl": repr(ttl)} if ttl > 0 else {"key": key}
+        status, data = self.request("PUT", query, bytes(value))
         _check(status, data, self.url)
+
+    def publish_segment(self, desc: SegmentDesc, lease: float = 0.0) -> None:
+        self.put(SEGMENT_PREFIX + desc.name, encode_segment(desc), ttl=lease)
+
+    def withdraw_segment(self, name: str, timeout: float) -> None:
+        # Each of connect, send and receive gets a third: the whole call ends within timeout.
+        conn = self._connect(max(timeout / 3, 0.01))
+        target = f"{self.path}?{urllib.parse.urlencode({'key': SEGMENT_PREFIX + name})}"
+        headers = {"Content-Length": "0"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        try:
+            conn.request("DELETE", target, headers=headers)
+            conn.getresponse().read()
+        except (OSError, http.client.HTTPException) as exc:
+            log.debug("withdrawing segment %s from %s at exit: %s", name, self.url, exc)
+        finally:
+            conn.close()
 
     def get(self, key: str) -> bytes | None:
         status, data = self.request("GET", {"key": key})

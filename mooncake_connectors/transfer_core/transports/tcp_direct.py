@@ -41,6 +41,11 @@ _CHUNK = 512  # requests sent before their answers are read
 _POOL = 8  # idle connections kept per peer
 _ALIGN = 4096  # portion boundaries fall on pages: the copies on both ends stay aligned
 _GRACE = 2.0  # seconds past the deadline a caller waits for a worker's portion
+# SO_RCVTIMEO/SO_SNDTIMEO run on the kernel's timer wheel, which fires a long timeout late by up
+# to an eighth of it (a 30 s one 1.7-1.9 s late at HZ=250, 20 s: 0.96 s). No kernel timeout is
+# set longer than this: a longer wait is a run of short ones, each bounded again by what is left
+# of the deadline (``rebound``; the compiled loop waits the rest by poll(), which is precise).
+KERNEL_MAX = 1.0
 
 Connect = Callable[[str, str, str, float], socket.socket]
 
@@ -60,10 +65,11 @@ class Direct:
         self.fd = sock.fileno() if fast is not None and type(sock) is socket.socket else -1
 
     def bound(self, seconds: float) -> None:
-        """Bound each send/recv by ``seconds``. Requests in a row have nearly equal deadlines, so
-        the two setsockopt calls are skipped while the bound already set is within [-1 s, +0.25 s]
-        of the wanted one (0.25 s: the watchdog's own granularity)."""
-        if -0.25 < seconds - self.timeout < 1.0:
+        """Bound each send/recv by ``seconds``, at most KERNEL_MAX. Requests in a row have
+        nearly equal deadlines, so the two setsockopt calls are skipped while the bound already
+        set is within [-1 s, +0.05 s] of the wanted one (a wait may end up to 0.05 s late)."""
+        seconds = min(seconds, KERNEL_MAX)
+        if -0.05 < seconds - self.timeout < 1.0:
             return
         kernel_timeout(self.sock, seconds)
         self.timeout = max(seconds, 0.001)
@@ -102,7 +108,7 @@ def exchange_one(conn: Direct, s: Slice, peer: str) -> MooncakeConnectorsError |
     if s.op is TransferOp.WRITE:
         head = _REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, 0, 0, rid, s.remote_addr, s.length)
         payload = s.local_view()
-        sent = sock.sendmsg((head, payload))
+        sent = wire.send_some(sock, [head, payload], conn.rebound)
         if sent != _REQ_SIZE + s.length:
             rest: list[memoryview | bytes] = (
                 [head[sent:], payload] if sent < _REQ_SIZE else [payload[sent - _REQ_SIZE :]]
@@ -111,12 +117,12 @@ def exchange_one(conn: Direct, s: Slice, peer: str) -> MooncakeConnectorsError |
             wire.sendmsg_all(sock, rest, conn.rebound)
     else:
         head = _REQ.pack(wire.REQ_MAGIC, wire.OP_READ, 0, 0, rid, s.remote_addr, s.length)
-        sent = sock.send(head)
+        sent = wire.send_some(sock, [head], conn.rebound)
         if sent != _REQ_SIZE:
             conn.rebound()
             wire.sendmsg_all(sock, [memoryview(head)[sent:]], conn.rebound)
     conn.rebound()  # the wait gets what is left of the deadline, no more
-    k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
+    k = wire.recv_some(sock, conn.hv, _RESP_SIZE, conn.rebound)
     if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: recv_exact raises)
         wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
     return wire.finish_response(sock, conn.hdr, s, rid, peer, conn.path, conn.rebound)
@@ -349,7 +355,7 @@ class DirectRunner:
                     wire.sendmsg_all(sock, bufs, conn.rebound)
                     for s, rid in zip(chunk, rids, strict=True):
                         conn.rebound()  # each wait gets what is left of the deadline, no more
-                        k = sock.recv_into(conn.hv, _RESP_SIZE, _WAITALL)
+                        k = wire.recv_some(sock, conn.hv, _RESP_SIZE, conn.rebound)
                         if k != _RESP_SIZE:  # short (signal) or 0 (peer closed: raises)
                             wire.recv_exact(sock, conn.hv[k:] if k else conn.hv, conn.rebound)
                         result = wire.finish_response(

@@ -32,7 +32,7 @@ from ...errors import (
     MooncakeConnectorsError,
     TransferTimeout,
 )
-from ...netguard import MIN_RATE, AcceptBackoff, listener_closed
+from ...netguard import MIN_RATE, AcceptBackoff, SiteLogs, listener_closed
 from ...tls import server_context, wrap_server
 from ...types import Access
 from .. import cuda_driver
@@ -92,6 +92,7 @@ class TcpServer:
         self.lock = threading.Lock()
         self.closed = False
         self.staging: staging.Staging | None = None  # set by the transport that owns us
+        self.noisy = SiteLogs(log)  # what a peer sends: bounded lines, however much it sends
         threading.Thread(target=self._accept_loop, name="mc-tcp-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -138,7 +139,9 @@ class TcpServer:
         none = bytes(32)
         if magic != wire.MAGIC or version != wire.VERSION:
             conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_VERSION, 0, none))
-            log.warning("refused a client speaking version %s (magic %r)", version, magic)
+            self.noisy("version").warning(
+                "refused a client speaking version %s (magic %r)", version, magic
+            )
             return False
         wire.recv_until(conn, memoryview(buf)[wire.AUTH_HEAD.size :], deadline)
         _, _, _, their_proof, their_nonce = wire.AUTH.unpack(buf)
@@ -146,7 +149,7 @@ class TcpServer:
             their_proof, wire.initiator_proof(token, nonce, their_nonce)
         ):
             conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_BAD_TOKEN, 0, none))
-            log.warning("refused a client with a wrong token")
+            self.noisy("token").warning("refused a client with a wrong token")
             return False
         ours = wire.target_proof(token, nonce, their_nonce)
         conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_OK, 0, ours))
@@ -224,13 +227,15 @@ class TcpServer:
                     continue
                 if magic != wire.REQ_MAGIC or op not in served:
                     _reply_error(conn, rid, wire.ST_PROTOCOL, "malformed request frame", deadline)
-                    log.warning("closing %s: malformed request frame", who)
+                    self.noisy("malformed").warning("closing %s: malformed request frame", who)
                     return
                 if length > wire.MAX_PAYLOAD:
                     _reply_error(
                         conn, rid, wire.ST_PROTOCOL, f"length {length} exceeds limit", deadline
                     )
-                    log.warning("closing %s: oversized request (%d bytes)", who, length)
+                    self.noisy("oversized").warning(
+                        "closing %s: oversized request (%d bytes)", who, length
+                    )
                     return
                 deadline += length / MIN_RATE
                 if op == wire.OP_PING:
@@ -287,9 +292,9 @@ class TcpServer:
                         wire.recv_until(conn, data[k:], deadline)
                     _answer(conn, resp.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, 0), deadline)
         except TimeoutError as exc:
-            log.info("closing %s: %s", who, exc)
+            self.noisy("timeout").info("closing %s: %s", who, exc)
         except ssl.SSLError as exc:  # a refused certificate, or a client not speaking TLS
-            log.info("closing %s: TLS: %s", who, exc)
+            self.noisy("tls").info("closing %s: TLS: %s", who, exc)
         except (OSError, ConnectionError) as exc:
             log.debug("connection from %s ended: %s", who, exc)
         finally:

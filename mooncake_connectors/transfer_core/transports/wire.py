@@ -87,6 +87,35 @@ def _proof(token: str | None, label: bytes, target_nonce: bytes, initiator_nonce
     return hmac.new(token.encode(), msg, hashlib.sha256).digest()
 
 
+def recv_some(
+    sock: socket.socket, buf: memoryview, n: int, progress: Callable[[], object] | None
+) -> int:
+    """One MSG_WAITALL receive of up to ``n`` bytes into ``buf``. A kernel timeout that passes
+    with nothing received (EAGAIN) while the caller's deadline has time left is waited again:
+    ``progress`` bounds the next wait by what is left, or raises TimeoutError (without it the
+    BlockingIOError propagates)."""
+    while True:
+        try:
+            return sock.recv_into(buf, n, _WAITALL)
+        except BlockingIOError:
+            if progress is None:
+                raise
+            progress()
+
+
+def send_some(
+    sock: socket.socket, bufs: list[memoryview | bytes], progress: Callable[[], object] | None
+) -> int:
+    """One ``sendmsg`` of ``bufs``: the bytes sent, re-waiting as ``recv_some`` does."""
+    while True:
+        try:
+            return sock.sendmsg(bufs)
+        except BlockingIOError:
+            if progress is None:
+                raise
+            progress()
+
+
 def recv_exact(
     sock: socket.socket, buf: memoryview, progress: Callable[[], object] | None = None
 ) -> None:
@@ -99,7 +128,7 @@ def recv_exact(
     n = len(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(buf[got:], n - got, socket.MSG_WAITALL)
+        k = recv_some(sock, buf[got:], n - got, progress)
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
@@ -178,7 +207,7 @@ def sendmsg_all(
         if not first_call and progress is not None:
             progress()
         first_call = False
-        sent = sock.sendmsg(bufs[:1024])
+        sent = send_some(sock, bufs[:1024], progress)
         _drop_sent(bufs, sent)
         # drop empty buffers so sendmsg never spins on zero-length entries
         while bufs and len(bufs[0]) == 0:
@@ -233,7 +262,7 @@ def finish_response(
                 raise ProtocolError("READ answered with a wrong length", peer=peer, path=path)
             view = s.local_view()
             # Common case in one syscall; recv_exact only when the kernel splits it.
-            k = sock.recv_into(view, length, _WAITALL) if length else 0
+            k = recv_some(sock, view, length, progress) if length else 0
             if k != length:
                 if k and progress is not None:  # the next wait gets what is left, no more
                     progress()
