@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from helpers import free_port, wait_until
-from store_cluster import FAST, Proc, start_master, start_server
+from store_cluster import FAST, Proc, client, start_master, start_server, wait_servers
 
 from mooncake_connectors.errors import ConfigError, MasterUnavailable
 from mooncake_connectors.store import ClientConfig, StoreClient
@@ -29,6 +29,12 @@ def master() -> Iterator[str]:
     proc, addr = start_master(*FAST)
     server = start_server(addr, "16M")
     try:
+        # a put before the server's segment is mounted finds no room: wait for it, not on luck
+        probe = client(addr)
+        try:
+            wait_servers(probe, 1)
+        finally:
+            probe.close()
         yield addr
     finally:
         server.close()
