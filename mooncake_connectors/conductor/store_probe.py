@@ -38,8 +38,6 @@ from ..store.link import Dialer, MasterLink
 from ..store.protocol import Bools, Exists
 
 BLOCK_FIELD = "{block}"
-
-
 _TEXT_PARTS = frozenset({"text", "refusal"})  # content parts that are text alone
 
 
@@ -49,7 +47,8 @@ def key_inputs_of(body: Mapping[str, Any]) -> KeyInputs | None:
     content hash and placeholder positions only the engine knows)."""
     if body.get("prompt_embeds") is not None:
         return None
-    for message in body.get("messages") or ():
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, list) and any(
             not isinstance(part, Mapping) or part.get("type") not in _TEXT_PARTS for part in content
