@@ -18,7 +18,8 @@ from aiohttp import web  # noqa: E402
 from store_cluster import FAST, client, start_master, start_server, wait_servers  # noqa: E402
 from test_proxy_conductor import BS, DECODE, PREFILL, Instance, run, until  # noqa: E402
 
-from mooncake_connectors.adapters.vllm.store_keys import prompt_block_hashes  # noqa: E402
+from mooncake_connectors.adapters.keys import Shard  # noqa: E402
+from mooncake_connectors.adapters.vllm.store_keys import BlockKeys, prompt_block_hashes  # noqa: E402
 from mooncake_connectors.conductor.estimators import TransferModel  # noqa: E402
 from mooncake_connectors.conductor.live import CacheSource  # noqa: E402
 from mooncake_connectors.conductor.proxy import (  # noqa: E402
@@ -26,12 +27,13 @@ from mooncake_connectors.conductor.proxy import (  # noqa: E402
     PDProxy,
     build_conductor,
 )
-from mooncake_connectors.conductor.store_probe import StoreProbe, store_block_hashes  # noqa: E402
+from mooncake_connectors.conductor.store_probe import StoreProbe, key_inputs_of  # noqa: E402
 from mooncake_connectors.conductor.types import PlacementPolicy  # noqa: E402
 from mooncake_connectors.errors import ConfigError  # noqa: E402
+from mooncake_connectors.kv_keys import KeyInputs  # noqa: E402
 from mooncake_connectors.store import StoreClient  # noqa: E402
 
-TEMPLATE = "vllm/m/bfloat16.b4.h2x8/tp0-1.pp0-1/{block}/model.layers.0.self_attn.attn"
+TEMPLATE = "vllm/v2/m/bfloat16.b4.h2x8/tp0-1.pp0-1/{block}/model.layers.0.self_attn.attn"
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +50,57 @@ def store() -> Iterator[tuple[str, StoreClient]]:
         master.close()
 
 
-def save(c: StoreClient, probe: StoreProbe, tokens: list[int], blocks: range) -> None:
-    keys = probe.keys(tokens)
+def save(
+    c: StoreClient, probe: StoreProbe, tokens: list[int], blocks: range, salt: str | None = None
+) -> None:
+    keys = probe.keys(tokens, KeyInputs(cache_salt=salt))
     for b in blocks:
         c.put(keys[b], b"kv" * 8)
 
 
-def test_block_hashes_are_the_store_connectors() -> None:
+def test_probe_keys_are_the_store_connectors() -> None:
     rng = random.Random(5)
-    for n in (0, 1, 4, 5, 17, 64):
-        tokens = [rng.randrange(150_000) for _ in range(n)]
-        assert store_block_hashes(tokens, BS) == prompt_block_hashes(tokens, BS)
+    connector = BlockKeys("vllm", "m", "bfloat16.b4.h2x8", Shard(False))
+    probe = StoreProbe("127.0.0.1:1", TEMPLATE, BS)
+    try:
+        for n in (0, 1, 4, 5, 17, 64):
+            tokens = [rng.randrange(150_000) for _ in range(n)]
+            for inputs in (KeyInputs(), KeyInputs(cache_salt="t")):
+                hashes = prompt_block_hashes(tokens, BS, inputs)
+                layer = ["model.layers.0.self_attn.attn"]
+                assert probe.keys(tokens, inputs) == connector.keys(hashes, layer)
+    finally:
+        probe.close()
+
+
+def test_a_template_without_the_key_version_is_refused() -> None:
+    with pytest.raises(ConfigError, match="key version"):
+        StoreProbe("127.0.0.1:1", TEMPLATE.replace("/v2/", "/"), BS)
+
+
+def test_what_the_request_body_gives_the_keys() -> None:
+    assert key_inputs_of({"prompt": "hi", "cache_salt": "t"}) == KeyInputs(cache_salt="t")
+    assert key_inputs_of({"prompt": "hi", "cache_salt": ""}) == KeyInputs()
+    text = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert key_inputs_of({"messages": text}) == KeyInputs()
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    assert key_inputs_of({"messages": [{"role": "user", "content": [image]}]}) is None
+    assert key_inputs_of({"prompt_embeds": "AAAA"}) is None
+
+
+def test_the_probe_counts_a_salts_blocks_only(store: tuple[str, StoreClient]) -> None:
+    addr, c = store
+    probe = StoreProbe(addr, TEMPLATE.replace("vllm/", "salted/"), BS)
+    try:
+        tokens = list(range(3000, 3000 + 4 * BS + 1))
+        save(c, probe, tokens, range(4), salt="a")
+        assert probe.held_blocks(tokens, KeyInputs(cache_salt="a")) == 4
+        assert probe.held_blocks(tokens, KeyInputs(cache_salt="b")) == 0
+        assert probe.held_blocks(tokens) == 0
+        assert probe.held_blocks(tokens, None) == 0  # keys unknown here: not asked
+        assert probe.stats()["calls"] == 3
+    finally:
+        probe.close()
 
 
 def test_the_probe_counts_leading_blocks_only(store: tuple[str, StoreClient]) -> None:
@@ -142,6 +184,12 @@ def test_a_prefix_in_the_store_is_loaded_where_the_queue_is_short(
                     decision = (await r.json())[-1]
                 async with s.get(url + "/conductor/stats") as r:
                     stats = await r.json()
+                # the same prompt for another tenant: the store holds none of its keys
+                async with s.post(url + "/v1/completions", json=body | {"cache_salt": "t"}) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["x-conductor-load-blocks"] == "0"
+                async with s.get(url + "/conductor/decisions") as r:
+                    assert (await r.json())[-1]["store_blocks"] == 0
             assert decision["store_blocks"] == 100 and decision["load_blocks"] == 100
             assert stats["store"]["calls"] >= 2 and stats["store"]["errors"] == 0
             assert stats["store_load"]["latency_s"] == 0.001

@@ -1,12 +1,14 @@
-"""The store connector's pure parts: extra-config validation and prefix-hash keys (no vLLM)."""
+"""The store connector's pure parts: extra-config validation and key layout (no vLLM).
+
+The block hashes: test_kv_keys."""
 
 from __future__ import annotations
 
 import pytest
 
-from mooncake_connectors.adapters.keys import Shard, chained_block_hashes
+from mooncake_connectors.adapters.keys import Shard
 from mooncake_connectors.adapters.vllm.store_config import STORE_KEYS, StoreConnectorConfig
-from mooncake_connectors.adapters.vllm.store_keys import BlockKeys, layout_tag, prompt_block_hashes
+from mooncake_connectors.adapters.vllm.store_keys import BlockKeys, layout_tag
 from mooncake_connectors.errors import ConfigError
 
 
@@ -65,30 +67,12 @@ def test_values_are_converted() -> None:
     assert StoreConnectorConfig.from_extra_config({"metadata": None}).metadata is None
 
 
-def test_chained_hashes_name_the_whole_prefix() -> None:
-    a = list(range(100))
-    b = list(a)
-    b[40] = 7  # in block 2 (16 tokens a block)
-    ha, hb = chained_block_hashes(a, 16), chained_block_hashes(b, 16)
-    assert len(ha) == 6  # full blocks only
-    assert ha[:2] == hb[:2] and all(x != y for x, y in zip(ha[2:], hb[2:], strict=True))
-    assert chained_block_hashes(a[:50], 16) == ha[:3]  # the same prefix, the same hashes
-    with pytest.raises(ConfigError):
-        chained_block_hashes(a, 0)
-
-
-def test_the_last_prompt_token_is_never_in_a_stored_block() -> None:
-    assert len(prompt_block_hashes(list(range(64)), 16)) == 3  # 64 tokens: block 3 holds the last
-    assert len(prompt_block_hashes(list(range(65)), 16)) == 4
-    assert prompt_block_hashes([], 16) == []
-
-
 def test_keys_differ_by_model_layout_rank_and_layer() -> None:
     base = BlockKeys(
         "vllm", "org/model", layout_tag("torch.bfloat16", 16, 2, 64), Shard(False, 0, 2)
     )
     (k,) = base.keys(["ab"], ["layer0"])
-    assert k == "vllm/org%2Fmodel/bfloat16.b16.h2x64/tp0-2.pp0-1/ab/layer0"
+    assert k == "vllm/v2/org%2Fmodel/bfloat16.b16.h2x64/tp0-2.pp0-1/ab/layer0"
     assert base.for_rank(1).keys(["ab"], ["layer0"]) != [k]
     assert base.keys(["ab", "cd"], ["l0", "l1"]) == [
         f"{base.prefix}/ab/l0",

@@ -33,6 +33,7 @@ from mooncake_connectors.bench.launch import (
     random_prompt,
     token_ids,
 )
+from mooncake_connectors.kv_keys import PLAIN, KeyInputs
 from mooncake_connectors.store import ClientConfig, StoreClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -73,11 +74,11 @@ class Cluster:
     def client(self) -> StoreClient:
         return StoreClient(ClientConfig(master=self.master.address, timeout=10.0)).start()
 
-    def object_keys(self, p: list[int]) -> list[str]:
-        return self.keys.keys(prompt_block_hashes(p, BLOCK), LAYERS)
+    def object_keys(self, p: list[int], inputs: KeyInputs = PLAIN) -> list[str]:
+        return self.keys.keys(prompt_block_hashes(p, BLOCK, inputs), LAYERS)
 
-    def wait_saved(self, p: list[int]) -> None:
-        keys = self.object_keys(p)
+    def wait_saved(self, p: list[int], inputs: KeyInputs = PLAIN) -> None:
+        keys = self.object_keys(p, inputs)
         with self.client() as c:
             wait_until(lambda: all(c.batch_exists(keys)), 60, "the prompt's KV in the store")
 
@@ -156,6 +157,19 @@ def test_saving_again_skips_blocks_already_stored(cluster: Cluster) -> None:
     # A (no local prefix cache) loads it, then finishes it again: nothing new to write.
     assert token_ids(completion(cluster.a.url, p, MAX_TOKENS)) == ref
     wait_until(lambda: "Blocks already stored" in cluster.a.tail(400), 30, "connector stats")
+
+
+def test_a_cache_salt_loads_only_what_that_salt_saved(cluster: Cluster) -> None:
+    """Tenant isolation: the same prompt under another salt is no store hit, the same salt is."""
+    p = random_prompt(41, 900)
+    ref = token_ids(completion(cluster.a.url, p, MAX_TOKENS, {"cache_salt": "tenant-a"}))
+    cluster.wait_saved(p, KeyInputs(cache_salt="tenant-a"))
+    for salt, hit in (("tenant-b", False), ("tenant-a", True)):
+        before = cluster.b.metric(HITS)
+        answer = completion(cluster.b.url, p, MAX_TOKENS, {"cache_salt": salt})
+        hits = cluster.b.metric(HITS) - before
+        assert token_ids(answer) == ref
+        assert (hits >= 0.9 * len(p)) if hit else hits == 0, f"{salt}: {hits} tokens loaded"
 
 
 def test_corrupted_store_values_change_the_tokens(cluster: Cluster) -> None:

@@ -368,3 +368,13 @@ def test_failed_load_is_not_retried_for_the_same_request(tiny_model: Path, store
     out, _ = step(s, {"r8": 9})
     assert out.num_scheduled_tokens == {"r8": 100}
     assert meta(out).loads == []
+
+
+def test_the_store_is_a_cache_not_a_kv_hand_off(tiny_model: Path) -> None:
+    """vLLM's requires_kv_delivery: false for the store (a dropped save is a later miss), so a
+    preempted request's in-flight output is delivered, not recomputed."""
+    s = make_scheduler(tiny_model, "127.0.0.1:1")
+    try:
+        assert s.connector.requires_kv_delivery is False and s.requires_kv_delivery is False
+    finally:
+        s.connector.shutdown()

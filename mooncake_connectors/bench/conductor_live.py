@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..kv_keys import KEY_VERSION
 from .launch import Server, StoreMaster, StoreServerProcess, VllmServer, completion, random_prompt
 from .procs import CLI
 from .tiny_model import build
@@ -46,7 +47,8 @@ POLICIES = ("round-robin", "local-cache", "global-cache", "adaptive")
 def store_keys_template(block: int = _BLOCK) -> str:
     """The key of one layer of one block, as the store connector of the tiny model saves it
     (namespace ``vllm``, ``model_name`` ``tiny``, rank 0), ``{block}`` for the block hash."""
-    return f"vllm/tiny/bfloat16.b{block}.h2x64/tp0-1.pp0-1/{{block}}/model.layers.1.self_attn.attn"
+    layer = "model.layers.1.self_attn.attn"
+    return f"vllm/{KEY_VERSION}/tiny/bfloat16.b{block}.h2x64/tp0-1.pp0-1/{{block}}/{layer}"
 
 
 def store_prefill_config(master: str) -> dict[str, Any]:

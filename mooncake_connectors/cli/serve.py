@@ -153,7 +153,7 @@ def proxy(
         str | None,
         typer.Option(
             help="Store key of one layer of a block, {block} for the block hash, e.g. "
-            "vllm/MODEL/LAYOUT/tp0-1.pp0-1/{block}/model.layers.0.self_attn.attn."
+            "vllm/v2/MODEL/LAYOUT/tp0-1.pp0-1/{block}/model.layers.0.self_attn.attn."
         ),
     ] = None,
     store_load: Annotated[

@@ -69,7 +69,7 @@ from .listener import (
 )
 from .live import CacheSource, KVEventSubscriber, LiveConductor, parse_vllm_metrics
 from .scheduler import Conductor, ConductorConfig
-from .store_probe import StoreProbe
+from .store_probe import StoreProbe, key_inputs_of
 from .types import Admission, Placement, PlacementPolicy, Rejection
 
 log = logging.getLogger(__name__)
@@ -363,7 +363,8 @@ class PDProxy:
         store_blocks = None
         if live.store is not None:
             # one Exists call to the store's master, bounded by the probe's timeout
-            store_blocks = await asyncio.to_thread(live.store.held_blocks, tokens)
+            inputs = key_inputs_of(body)
+            store_blocks = await asyncio.to_thread(live.store.held_blocks, tokens, inputs)
         decision = live.schedule(tokens, n, store_blocks)
         if isinstance(decision, Rejection):
             return _rejection(decision, live)

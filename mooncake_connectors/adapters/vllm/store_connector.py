@@ -43,6 +43,14 @@ class MooncakeConnectorsStore(
     def _parse_config(cls, extra: Mapping[str, Any] | None) -> StoreConnectorConfig:
         return StoreConnectorConfig.from_extra_config(extra)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a save that never happens is a later miss. Saves read only
+        # finished requests' blocks, which vLLM keeps until the save is reported done, so a
+        # preemption never frees blocks a save still reads; vLLM may deliver a preempted
+        # request's in-flight tokens instead of recomputing them.
+        return False
+
     def _build_scheduler(
         self, config: StoreConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     ) -> StoreScheduler:

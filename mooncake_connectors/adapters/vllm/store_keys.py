@@ -1,14 +1,19 @@
 """Store keys of vLLM KV blocks (pure Python, no vLLM import).
 
-    {namespace}/{model}/{layout}/{shard}/{chained block hash}/{layer}
+    {namespace}/{version}/{model}/{layout}/{shard}/{chained block hash}/{layer}
+
+version — :data:`~mooncake_connectors.kv_keys.KEY_VERSION`, bumped whenever the hash changes
+    meaning, so objects saved under an older scheme are never read.
 
 layout — what fixes the bytes of one block of one layer: KV dtype, block size, this rank's KV
     heads and head size, e.g. ``bfloat16.b16.h2x64``.
 shard — ``tp{rank}-{size}.pp{rank}-{size}`` (:class:`..keys.Shard`): each TP rank holds its own
     heads, so each rank saves and loads its own objects.
-chained block hash — blake2b over the block's token ids and the previous block's hash
-    (:func:`..keys.chained_block_hashes`): the same prompt prefix gives the same keys on any
-    instance, and a block's key also names everything before it.
+chained block hash — :func:`mooncake_connectors.kv_keys.block_hashes`: the block's token ids,
+    the previous block's hash, and what else the KV depends on (LoRA adapter, multimodal inputs,
+    ``cache_salt``, prompt embeddings; :func:`.store_inputs.key_inputs` reads them off vLLM's
+    request): the same prompt gives the same keys on any instance, and a block's key also names
+    everything before it.
 layer — vLLM's layer name; one object per block per layer, because one block of one layer is one
     contiguous range of vLLM's CPU KV cache, which the store reads into and writes from in place.
 """
@@ -19,7 +24,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from ...errors import ConfigError
-from ..keys import Shard, chained_block_hashes, quote_model
+from ...kv_keys import KEY_VERSION, prompt_block_hashes
+from ..keys import Shard, quote_model
+
+__all__ = ["BlockKeys", "layout_tag", "prompt_block_hashes"]
 
 
 def layout_tag(dtype: str, block_size: int, num_kv_heads: int, head_size: int) -> str:
@@ -31,13 +39,6 @@ def layout_tag(dtype: str, block_size: int, num_kv_heads: int, head_size: int) -
     return f"{dtype.removeprefix('torch.')}.b{block_size}.h{num_kv_heads}x{head_size}"
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
-    """Hex digests of the prompt's full blocks, except that the last prompt token is never in
-    one: vLLM computes at least one prompt token itself, so that block is never loaded."""
-    limit = max(0, len(token_ids) - 1) // block_size
-    return [h.hex() for h in chained_block_hashes(token_ids, block_size, limit=limit)]
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockKeys:
     namespace: str
@@ -47,7 +48,8 @@ class BlockKeys:
 
     @property
     def prefix(self) -> str:
-        return f"{self.namespace}/{quote_model(self.model)}/{self.layout}/{self.shard.tag()}"
+        m = quote_model(self.model)
+        return f"{self.namespace}/{KEY_VERSION}/{m}/{self.layout}/{self.shard.tag()}"
 
     def keys(self, hashes: Sequence[str], layers: Sequence[str]) -> list[str]:
         """Block by block, each block's layers in ``layers`` order."""

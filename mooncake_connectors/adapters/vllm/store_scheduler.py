@@ -1,7 +1,8 @@
 """Scheduler-side bookkeeping of the store connector (runs in vLLM's engine-core process).
 
 Load: a new request's prompt is cut into vLLM blocks and each full block gets its chained hash
-(:mod:`.store_keys`). Beyond the blocks vLLM's own prefix cache already has, the store is asked
+over its tokens and everything else its KV depends on (:mod:`.store_keys`, :mod:`.store_inputs`).
+Beyond the blocks vLLM's own prefix cache already has, the store is asked
 (one ``batch_exists`` for every layer of every TP rank) how many following blocks it holds
 without a gap; those tokens are offered as an asynchronous external hit. Once vLLM has allocated
 blocks for them, the workers are told which keys go into which blocks.
@@ -22,6 +23,7 @@ from ...errors import ConfigError
 from ...store.guarded import FAILED, GuardedStore
 from ..keys import Shard
 from .store_config import StoreConnectorConfig
+from .store_inputs import key_inputs, key_token_ids
 from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
 
 if TYPE_CHECKING:
@@ -117,8 +119,8 @@ class StoreScheduler:
     def _prompt_hashes(self, request: Request) -> list[str]:
         hashes = self._hashes.get(request.request_id)
         if hashes is None:
-            prompt = request.prompt_token_ids
-            hashes = [] if prompt is None else prompt_block_hashes(prompt, self.block_size)
+            bs = self.block_size
+            hashes = prompt_block_hashes(key_token_ids(request), bs, key_inputs(request, bs))
             self._hashes[request.request_id] = hashes
         return hashes
 
