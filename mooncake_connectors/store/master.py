@@ -123,6 +123,7 @@ class Master:
             tick=self._tick,
             max_frame=cfg.max_frame,
             max_inflight=cfg.max_inflight,
+            max_buffered=cfg.max_buffered,
             frame_timeout=cfg.frame_timeout,
             name="mc-store-master",
             token=cfg.auth_token,
@@ -177,7 +178,7 @@ class Master:
             if self.leader:
                 self.state.tick(now)
                 self._flush()
-            self._snapshot = {**self.state.stats(), "leader": float(self.leader)}
+            self._snapshot = self._stats_now()
             self._next_tick = now + _TICK
         return self._next_tick - now
 
@@ -342,7 +343,11 @@ class Master:
         return Ok()
 
     def _stats(self, conn: Conn, msg: Stats, now: float) -> Msg:
-        return StatsOk({**self.state.stats(), "leader": float(self.leader)})
+        return StatsOk(self._stats_now())
+
+    def _stats_now(self) -> dict[str, float]:
+        unsent = float(self.rpc.buffered) if self.rpc is not None else 0.0
+        return {**self.state.stats(), "leader": float(self.leader), "unsent_bytes": unsent}
 
     # -- /metrics and /health ---------------------------------------------------------------
     def _serve_http(self, host: str, port: int) -> None:

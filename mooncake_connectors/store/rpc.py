@@ -141,7 +141,9 @@ class FrameServer:
     within ``frame_timeout`` of connecting); bytes of unfinished frames, over all connections,
     stay below ``max_inflight`` (the connection that would pass it is refused); answers a peer
     does not read stay below ``2 * max_frame``. Buffers grow as bytes arrive, never by what a
-    frame header declares. A failed ``accept()`` (EMFILE...) pauses accepting, backing off.
+    frame header declares. Answers and pushes waiting to be written, over all connections, stay
+    below ``max_buffered``: past it the connections holding the most unsent bytes (the ones that
+    do not read) are closed first. A failed ``accept()`` (EMFILE...) pauses accepting, backing off.
     """
 
     def __init__(
@@ -157,9 +159,12 @@ class FrameServer:
         token: str | None = None,
         frame_timeout: float = 10.0,
         max_inflight: int = 256 << 20,
+        max_buffered: int = 256 << 20,
         tls: TlsConfig | None = None,
     ) -> None:
         self.handler = handler
+        self.max_buffered = max_buffered
+        self.buffered = 0  # bytes of answers and pushes not yet written, all connections
         self.tls = server_context(tls) if tls is not None else None
         self.tls_mutual = tls is not None and tls.mutual
         self.frame_timeout = frame_timeout
@@ -484,7 +489,7 @@ class FrameServer:
                 self._limit_log.warning("%s: %s reads no answers; closing it", self.name, conn.peer)
                 self._close(conn)
                 return
-            conn.wbuf += data
+            self._hold(conn, data)
             return
         try:
             sent = conn.sock.send(data)
@@ -494,8 +499,29 @@ class FrameServer:
             self._close(conn)
             return
         if sent < len(data):
-            conn.wbuf += data[sent:]
-            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            self._hold(conn, data[sent:] if sent else data)
+            if not conn.closed:
+                self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _hold(self, conn: Conn, data: bytes) -> None:
+        """Keep ``data`` for ``conn`` until it reads; past ``max_buffered`` in all, close those
+        holding the most unsent bytes (each alone stays below 2 * max_frame, so without a total
+        many non-reading peers could make the master hold gigabytes)."""
+        self.buffered += len(data)
+        conn.wbuf += data
+        while self.buffered > self.max_buffered and self.conns:
+            worst = max(self.conns, key=lambda c: len(c.wbuf))
+            self._limit_log.warning(
+                "%s: %d bytes of answers unread (limit %d); closing %s, which holds %d",
+                self.name,
+                self.buffered,
+                self.max_buffered,
+                worst.peer,
+                len(worst.wbuf),
+            )
+            self._close(worst)
+            if worst is conn:
+                return
 
     def _flush(self, conn: Conn) -> None:
         try:
@@ -506,6 +532,7 @@ class FrameServer:
             self._close(conn)
             return
         del conn.wbuf[:sent]
+        self.buffered -= sent
         if not conn.wbuf:
             if conn.closing:
                 self._close(conn)
@@ -519,6 +546,8 @@ class FrameServer:
         self.conns.discard(conn)
         self.inflight -= conn.counted
         conn.counted = 0
+        self.buffered -= len(conn.wbuf)
+        conn.wbuf.clear()
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         conn.sock.close()

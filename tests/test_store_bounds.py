@@ -1,0 +1,98 @@
+"""Work and memory the master spends per request stay bounded: holdings reports sized by bytes,
+eviction under the key budget examining a bounded number of entries per key, a put batch that
+hands back what it could not do in its time, and a total cap on unread answers."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import socket
+import struct
+import termios
+import threading
+
+import pytest
+from helpers import wait_until
+
+from mooncake_connectors.store import Master, MasterConfig
+from mooncake_connectors.store.protocol import (
+    Exists,
+    Stats,
+    frame,
+)
+from mooncake_connectors.store.rpc import Channel, FrameServer
+
+MiB = 1 << 20
+
+
+# -- unread answers ----------------------------------------------------------------------------
+def unread(rpc: FrameServer) -> int:
+    """Request bytes still waiting for the master: in its sockets' receive queues, or held as
+    unfinished frames."""
+    queued = rpc.inflight
+    for c in list(rpc.conns):
+        fd = c.sock.fileno()
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                queued += struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    return queued
+
+
+def test_unread_answers_stay_within_a_total_cap_and_others_are_served() -> None:
+    cfg = MasterConfig(port=0, max_frame=1 * MiB, max_buffered=1 * MiB, frame_timeout=60)
+    m = Master(cfg).start()
+    rpc = m.rpc
+    assert rpc is not None
+    host, port = m.address.rsplit(":", 1)
+    request = frame(Stats(), 1) * 1000  # 23 kB asked, ~700 kB answered
+    socks = []
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:  # what the master holds for its peers, watched while they send
+        while not done.wait(0.002):
+            try:
+                held = sum(len(c.wbuf) for c in list(rpc.conns))
+            except RuntimeError:  # the loop thread changed the set meanwhile
+                continue
+            peak[0] = max(peak[0], held)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    try:
+        for _ in range(8):  # each alone stays under the per-connection limit (2 MiB)
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(5)
+            s.connect((host, int(port)))
+            socks.append(s)
+        open_ = list(socks)
+        for _ in range(10):  # 5.6 MB of answers each, none read (the kernel holds ~3 MB)
+            for s in list(open_):
+                try:
+                    s.sendall(request)
+                except OSError:
+                    open_.remove(s)  # closed by the master
+        wait_until(lambda: unread(rpc) == 0, 20, "the master to read every request")
+        done.set()
+        watcher.join(5)
+        assert peak[0] > 0  # answers did wait unread
+        assert peak[0] <= cfg.max_buffered + 4096, f"{peak[0]} bytes of answers held"
+        assert len(rpc.conns) < len(socks)  # the master closed some of them
+        ch = Channel(m.address, timeout=5, local_ipc=False)
+        try:
+            assert ch.call(Exists(["k"]), 5).values == [False]  # type: ignore[attr-defined]
+        finally:
+            ch.close()
+    finally:
+        done.set()
+        for s in socks:
+            s.close()
+        m.close()
+
+
+def test_max_buffered_must_hold_one_frame() -> None:
+    from mooncake_connectors.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_buffered"):
+        MasterConfig(max_frame=1 * MiB, max_buffered=64 * 1024)
