@@ -13,16 +13,61 @@ import threading
 
 import pytest
 from helpers import wait_until
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncake_connectors.store import Master, MasterConfig
 from mooncake_connectors.store.protocol import (
+    MAX_BATCH,
     Exists,
+    Part,
+    Report,
     Stats,
+    encoder,
     frame,
+    report_chunks,
 )
 from mooncake_connectors.store.rpc import Channel, FrameServer
 
 MiB = 1 << 20
+
+
+# -- holdings reports --------------------------------------------------------------------------
+def part(key: str, segment: str = "127.0.0.1:40000") -> Part:
+    big = (1 << 63) - 1  # the widest ints msgpack writes
+    return Part(key, big, 1, 1, 0, 0, big, big, segment, big, big, big)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4096), st.sampled_from(["k", "é", "\U0001f600"])),
+        min_size=0,
+        max_size=300,
+    ),
+    st.integers(64 * 1024, 512 * 1024),
+)
+def test_every_report_chunk_encodes_under_the_limit(
+    keys: list[tuple[int, str]], limit: int
+) -> None:
+    parts = [part(ch * n) for n, ch in keys]
+    chunks = list(report_chunks(parts, limit))
+    assert [p for c, _ in chunks for p in c] == parts  # all of them, in order
+    assert [last for _, last in chunks] == [False] * (len(chunks) - 1) + [True]
+    for c, last in chunks:
+        assert len(c) <= MAX_BATCH
+        assert len(encoder.encode(Report("x" * 256, c, last))) <= limit
+
+
+def test_a_large_server_reports_in_chunks_under_a_quarter_of_the_frame_limit() -> None:
+    # 20,000 keys of 4 KiB: the probe's case, one 82 MB report counted in parts alone
+    parts = [part(f"{i:08d}".ljust(4096, "k")) for i in range(20_000)]
+    limit = (64 * MiB) // 4
+    chunks = list(report_chunks(parts, limit))
+    assert len(chunks) >= 5
+    assert all(len(frame(Report("s", c, d), 1)) <= limit for c, d in chunks)
+    many = [part("k") for _ in range(MAX_BATCH + 10)]  # short keys: the part count bounds it
+    assert [len(c) for c, _ in report_chunks(many, 1 << 30)] == [MAX_BATCH, 10]
 
 
 # -- unread answers ----------------------------------------------------------------------------

@@ -229,6 +229,7 @@ class Master:
             int(cfg.read_lease_ttl * 1000),
             int(cfg.heartbeat_interval * 1000),
             self.state.epoch,
+            cfg.max_frame,
         )
 
     def _mount(self, conn: Conn, msg: Mount, now: float) -> Msg:
