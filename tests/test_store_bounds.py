@@ -112,7 +112,9 @@ def test_unread_answers_stay_within_a_total_cap_and_others_are_served() -> None:
             s.connect((host, int(port)))
             socks.append(s)
         open_ = list(socks)
-        for _ in range(10):  # 5.6 MB of answers each, none read (the kernel holds ~3 MB)
+        # 4.5 MB of answers each, none read: the kernel takes ~3 MB, so each holds at most
+        # ~1.7 MB, under the per-connection limit; the total (8 x that) is what is capped
+        for _ in range(8):
             for s in list(open_):
                 try:
                     s.sendall(request)
@@ -121,9 +123,8 @@ def test_unread_answers_stay_within_a_total_cap_and_others_are_served() -> None:
         wait_until(lambda: unread(rpc) == 0, 20, "the master to read every request")
         done.set()
         watcher.join(5)
-        assert peak[0] > 0  # answers did wait unread
         assert peak[0] <= cfg.max_buffered + 4096, f"{peak[0]} bytes of answers held"
-        assert len(rpc.conns) < len(socks)  # the master closed some of them
+        assert len(rpc.conns) < len(socks)  # the master closed some: the total cap at work
         ch = Channel(m.address, timeout=5, local_ipc=False)
         try:
             assert ch.call(Exists(["k"]), 5).values == [False]  # type: ignore[attr-defined]
