@@ -68,6 +68,7 @@ from .state import MasterState
 
 log = logging.getLogger(__name__)
 _TICK = 0.05
+_STALL = 0.25  # a loop turn longer than this: the master itself was busy, not its servers
 
 
 class Master:
@@ -79,6 +80,7 @@ class Master:
         self._election: Any = None
         self._http: http.server.ThreadingHTTPServer | None = None
         self._next_tick = 0.0
+        self._turn = 0.0  # when the loop last came back to us (monotonic)
         # What servers hold must be on its way to them before a put is acknowledged, with HA or
         # without: a new leader, or a single master restarted, rebuilds only from what servers
         # re-report, so a delta still waiting for the next tick would be an acknowledged put lost.
@@ -174,6 +176,9 @@ class Master:
     # -- loop -------------------------------------------------------------------------------
     def _tick(self) -> float:
         now = time.monotonic()
+        if self._turn and now - self._turn > _STALL:
+            self._excuse(now - self._turn)
+        self._turn = now
         if now >= self._next_tick:
             if self.leader:
                 self.state.tick(now)
@@ -181,6 +186,14 @@ class Master:
             self._snapshot = self._stats_now()
             self._next_tick = now + _TICK
         return self._next_tick - now
+
+    def _excuse(self, busy: float) -> None:
+        """The loop was busy for ``busy`` seconds (a large request, a rebuild, a pause of the
+        process): heartbeats sent meanwhile still wait unread in their sockets, so that time is
+        not counted against any server; a server is declared gone only after server_ttl of this
+        master listening and hearing nothing."""
+        for rec in self.state.servers.values():
+            rec.last_seen += busy
 
     def _handle(self, conn: Conn, msg: Msg, flags: int) -> Msg | None:
         if not self.leader:  # clients and servers read the leader from etcd themselves
