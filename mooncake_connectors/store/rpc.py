@@ -84,6 +84,22 @@ def _connect_unix(host: str, port: int, timeout: float) -> socket.socket | None:
     return s
 
 
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether the listener at ``host:port`` answers a TLS ClientHello in TLS (a handshake, or
+    an alert such as "certificate required"). A plaintext master answers one with a refusal
+    frame, which the TLS layer reads as a wrong version, never as an alert."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # a probe: it learns what the peer speaks, nothing else
+    try:
+        with socket.create_connection((host, port), timeout) as raw, ctx.wrap_socket(raw):
+            return True
+    except ssl.SSLError as exc:
+        return "ALERT" in str(getattr(exc, "reason", "") or "").upper()
+    except OSError:
+        return False
+
+
 class Conn:
     """One accepted connection of a FrameServer."""
 
@@ -580,6 +596,7 @@ class Channel:
     ) -> None:
         host, port = split_hostport(address)
         self.address = address
+        self._peer = (host, port)
         # The abstract unix socket skips TLS's certificates: a TLS channel always takes TCP.
         local = local_ipc and tls is None and is_loopback(host)
         sock = _connect_unix(host, port, timeout) if local else None
@@ -594,6 +611,8 @@ class Channel:
                     raise
         self.sock: socket.socket = sock
         self._fd = sock.fileno()
+        # nothing received yet over plain TCP: a reset now may be a TLS-only peer refusing us
+        self._unheard = tls is None and sock.family != socket.AF_UNIX
         # TLS may hold decrypted bytes the socket no longer shows: no spinning on its fd
         self._spin = _fast.spin() if _fast is not None and tls is None else 0.0
         self.rbuf = bytearray()
@@ -730,11 +749,29 @@ class Channel:
                 raise handshake_error(exc, self.address) from exc
             except OSError as exc:
                 self.close()
+                self._tls_refusal(exc)
                 raise ConnectionError(f"connection to {self.address} failed: {exc}") from exc
             if not data:
                 self.close()
+                self._tls_refusal(None)
                 raise ConnectionError(f"{self.address} closed the connection")
+            self._unheard = False
             buf += data
+
+    def _tls_refusal(self, exc: OSError | None) -> None:
+        """A TLS-only master drops a plaintext client at its first bytes, which looks like a
+        master that went away, and would be retried until the caller's deadline: when our
+        first answer is a reset or an end of stream, ask the peer whether it speaks TLS."""
+        if not self._unheard:
+            return
+        self._unheard = False
+        host, port = self._peer
+        if _speaks_tls(host, port, 2.0):
+            raise AuthenticationError(
+                f"{self.address} requires TLS and no TLS is configured here "
+                "(tls_cert/tls_key/tls_ca, or MOONCAKE_CONNECTORS_TLS_*)",
+                peer=self.address,
+            ) from exc
 
     def close(self) -> None:
         if not self.closed:
