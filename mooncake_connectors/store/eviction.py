@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from .state import MasterState
 
 EVICT_SCAN = 4096  # objects examined per eviction attempt (bounds one loop iteration)
-_FIRST, _MOST = 8, 1024  # keys taken from the LRU front at a time: most evictions need one
+_FIRST, _MOST = 8, EVICT_SCAN  # keys taken from the LRU front at a time (doubling): most
+# evictions need one, and a caller that looks at many (a plan) refills a few times only
 
 
 def victims(st: MasterState, now: float, soft: bool, limit: int) -> Iterator[str]:
