@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mooncake_connectors import certs
-from mooncake_connectors.errors import AuthenticationError, ProtocolError
+from mooncake_connectors.errors import AuthenticationError
 from mooncake_connectors.store import ClientConfig, Master, MasterConfig, StoreClient
 from mooncake_connectors.store.config import ServerConfig
 from mooncake_connectors.store.protocol import Bools, Exists
@@ -89,11 +89,45 @@ def test_a_plaintext_client_gets_an_error_not_a_hang(
     master: Master, pki: dict[str, TlsConfig]
 ) -> None:
     start = time.monotonic()
-    with pytest.raises((ConnectionError, ProtocolError, TimeoutError)):
+    with pytest.raises(AuthenticationError, match="requires TLS"):
         ch = Channel(master.address, 5.0, TOKEN)
         ch.call(Exists(["k"]), 5.0)
     assert time.monotonic() - start < 5.0  # refused at its first frame, not left to time out
     serves(master, pki["client"])
+
+
+@pytest.mark.parametrize("mutual", [True, False])
+def test_a_plaintext_store_client_is_refused_at_once_not_retried_to_its_deadline(
+    pki: dict[str, TlsConfig], mutual: bool
+) -> None:
+    tls = pki["master"] if mutual else TlsConfig(pki["master"].cert, pki["master"].key)
+    m = Master(MasterConfig(port=0, tls=tls)).start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(AuthenticationError, match="requires TLS"):
+            StoreClient(ClientConfig(master=m.address, timeout=8.0)).start().stats()
+        took = time.monotonic() - start
+        # a reset looked like a master that went away: it was retried for the whole 8 s
+        assert took < 4.0, f"refused after {took:.1f}s"
+        serves(m, pki["client"])
+    finally:
+        m.close()
+
+
+def test_a_plaintext_master_is_not_taken_for_a_tls_one() -> None:
+    from mooncake_connectors.store.rpc import _speaks_tls
+
+    m = Master(MasterConfig(port=0)).start()
+    try:
+        host, port = m.address.rsplit(":", 1)
+        assert not _speaks_tls(host, int(port), 2.0)
+        ch = Channel(m.address, 5.0, local_ipc=False)
+        try:
+            assert isinstance(ch.call(Exists(["k"]), 5.0), Bools)
+        finally:
+            ch.close()
+    finally:
+        m.close()
 
 
 def test_no_unix_socket_bypasses_tls(master: Master) -> None:

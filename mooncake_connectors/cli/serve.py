@@ -287,6 +287,9 @@ def master(
     frame_timeout: Annotated[
         float, typer.Option(help="Seconds a control frame may take to arrive (plus 1 s/MiB).")
     ] = 10.0,
+    max_buffered: Annotated[
+        str, typer.Option(help="Bytes of unread answers held over all connections.")
+    ] = "256M",
     auth_token: Annotated[
         str | None,
         typer.Option(
@@ -323,6 +326,7 @@ def master(
         promote_hits=promote_hits,
         key_budget=parse_size(key_budget),
         frame_timeout=frame_timeout,
+        max_buffered=parse_size(max_buffered),
         auth_token=auth_token,
         tls=tls_files(tls_cert, tls_key, tls_ca),
     )

@@ -80,8 +80,10 @@ class MasterConfig:
     a leader among several masters; ha_lease_ttl is the leader key's lease; advertise is the
     address written there (default host:port). max_frame: larger control frames are refused.
     max_inflight: bytes of unfinished control frames held over all connections; a connection
-    that would pass it is refused. frame_timeout: a control frame must arrive whole within this
-    many seconds plus its length at 1 MiB/s (and a token's challenge be answered within it).
+    that would pass it is refused. max_buffered: bytes of answers not yet read, over all
+    connections; past it the connections holding the most are closed. frame_timeout: a
+    control frame must arrive whole within this many seconds plus its length at 1 MiB/s (and a
+    token's challenge be answered within it).
     key_budget: bytes of keys and per-key records the master keeps (objects and puts in
     progress, each charged its key's length plus ``KEY_OVERHEAD``); a put past it evicts, else
     is refused with CapacityExceeded.
@@ -108,6 +110,7 @@ class MasterConfig:
     advertise: str | None = None
     max_frame: int = 64 * MIB
     max_inflight: int = 256 * MIB
+    max_buffered: int = 256 * MIB
     frame_timeout: float = 10.0
     key_budget: int = 2048 * MIB
     promote_hits: int = 1
@@ -145,6 +148,8 @@ class MasterConfig:
             raise ConfigError("max_frame must be at least 64 KiB")
         if self.max_inflight < self.max_frame:
             raise ConfigError("max_inflight must be at least max_frame")
+        if self.max_buffered < self.max_frame:
+            raise ConfigError("max_buffered must be at least max_frame")
         if not self.frame_timeout > 0:
             raise ConfigError(f"frame_timeout must be > 0, got {self.frame_timeout}")
         if self.key_budget < 1 * MIB:

@@ -9,6 +9,7 @@ servers write it; its memory is freed when every write is confirmed) instead of 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from . import tier
@@ -20,30 +21,49 @@ if TYPE_CHECKING:
     from .state import MasterState
 
 EVICT_SCAN = 4096  # objects examined per eviction attempt (bounds one loop iteration)
+_FIRST, _MOST = 8, EVICT_SCAN  # keys taken from the LRU front at a time (doubling): most
+# evictions need one, and a caller that looks at many (a plan) refills a few times only
 
 
-def victims(st: MasterState, now: float, soft: bool, limit: int) -> list[str]:
-    """LRU-first keys that may be evicted now (not leased, pinned, spilling, disk-only)."""
-    out: list[str] = []
-    touched: list[str] = []
+def victims(st: MasterState, now: float, soft: bool, limit: int) -> Iterator[str]:
+    """LRU-first keys that may be evicted now (not leased, pinned, spilling, disk-only), found
+    lazily: the caller may evict each before asking for the next, and only the entries it gets
+    that far are examined (at most ``limit``). A list of ``limit`` candidates per eviction made
+    every key put past the key budget cost a scan of thousands of entries."""
     objs = st.objects
-    for key, obj in itertools.islice(objs.items(), limit):
-        meta = obj.meta
-        ex = obj.extra
-        if (
-            obj.lease > now
-            or meta & (HARD | SPILLING)
-            or obj.locs == ()
-            or (meta & SOFT and not soft and ex is not None and ex.soft_until > now)
-        ):
-            touched.append(key)
-            continue
-        out.append(key)
-    if not soft:
-        for key in touched:  # do not rescan them at the front next time
-            obj = objs.pop(key)
-            objs[key] = obj
-    return out
+    stayed: set[str] = set()  # examined and still at the front (soft pass, spilled victims)
+    examined = 0
+    take = _FIRST
+    while examined < limit:
+        front = [k for k in itertools.islice(objs, len(stayed) + take) if k not in stayed]
+        if not front:
+            return
+        take = min(2 * take, _MOST)
+        for key in front:
+            if examined >= limit:
+                return
+            obj = objs.get(key)
+            if obj is None:  # evicted meanwhile (a dropped SSD file's owner)
+                continue
+            examined += 1
+            st.counters["evict_examined"] += 1
+            meta = obj.meta
+            ex = obj.extra
+            if (
+                obj.lease > now
+                or meta & (HARD | SPILLING)
+                or obj.locs == ()
+                or (meta & SOFT and not soft and ex is not None and ex.soft_until > now)
+            ):
+                if soft:
+                    stayed.add(key)
+                else:  # to the back: not examined again at the front next time
+                    del objs[key]
+                    objs[key] = obj
+                continue
+            yield key
+            if key in objs:  # not evicted (the caller only planned, or it spilled)
+                stayed.add(key)
 
 
 def evict(st: MasterState, key: str, now: float) -> None:

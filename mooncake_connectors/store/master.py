@@ -68,6 +68,7 @@ from .state import MasterState
 
 log = logging.getLogger(__name__)
 _TICK = 0.05
+_STALL = 0.25  # a loop turn longer than this: the master itself was busy, not its servers
 
 
 class Master:
@@ -79,6 +80,7 @@ class Master:
         self._election: Any = None
         self._http: http.server.ThreadingHTTPServer | None = None
         self._next_tick = 0.0
+        self._turn = 0.0  # when the loop last came back to us (monotonic)
         # What servers hold must be on its way to them before a put is acknowledged, with HA or
         # without: a new leader, or a single master restarted, rebuilds only from what servers
         # re-report, so a delta still waiting for the next tick would be an acknowledged put lost.
@@ -123,6 +125,7 @@ class Master:
             tick=self._tick,
             max_frame=cfg.max_frame,
             max_inflight=cfg.max_inflight,
+            max_buffered=cfg.max_buffered,
             frame_timeout=cfg.frame_timeout,
             name="mc-store-master",
             token=cfg.auth_token,
@@ -173,13 +176,24 @@ class Master:
     # -- loop -------------------------------------------------------------------------------
     def _tick(self) -> float:
         now = time.monotonic()
+        if self._turn and now - self._turn > _STALL:
+            self._excuse(now - self._turn)
+        self._turn = now
         if now >= self._next_tick:
             if self.leader:
                 self.state.tick(now)
                 self._flush()
-            self._snapshot = {**self.state.stats(), "leader": float(self.leader)}
+            self._snapshot = self._stats_now()
             self._next_tick = now + _TICK
         return self._next_tick - now
+
+    def _excuse(self, busy: float) -> None:
+        """The loop was busy for ``busy`` seconds (a large request, a rebuild, a pause of the
+        process): heartbeats sent meanwhile still wait unread in their sockets, so that time is
+        not counted against any server; a server is declared gone only after server_ttl of this
+        master listening and hearing nothing."""
+        for rec in self.state.servers.values():
+            rec.last_seen += busy
 
     def _handle(self, conn: Conn, msg: Msg, flags: int) -> Msg | None:
         if not self.leader:  # clients and servers read the leader from etcd themselves
@@ -228,6 +242,7 @@ class Master:
             int(cfg.read_lease_ttl * 1000),
             int(cfg.heartbeat_interval * 1000),
             self.state.epoch,
+            cfg.max_frame,
         )
 
     def _mount(self, conn: Conn, msg: Mount, now: float) -> Msg:
@@ -342,7 +357,11 @@ class Master:
         return Ok()
 
     def _stats(self, conn: Conn, msg: Stats, now: float) -> Msg:
-        return StatsOk({**self.state.stats(), "leader": float(self.leader)})
+        return StatsOk(self._stats_now())
+
+    def _stats_now(self) -> dict[str, float]:
+        unsent = float(self.rpc.buffered) if self.rpc is not None else 0.0
+        return {**self.state.stats(), "leader": float(self.leader), "unsent_bytes": unsent}
 
     # -- /metrics and /health ---------------------------------------------------------------
     def _serve_http(self, host: str, port: int) -> None:

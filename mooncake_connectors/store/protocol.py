@@ -19,6 +19,7 @@ import enum
 import hashlib
 import hmac
 import struct
+from collections.abc import Iterator
 from typing import Annotated, Union
 
 import msgspec
@@ -171,6 +172,41 @@ class Report(Msg, tag="report"):
     done: bool
 
 
+# What one ``Part`` costs encoded besides its two strings: a 12-element array header, nine ints
+# of at most 9 bytes and two string headers of at most 5 (msgpack), rounded up.
+_PART_FIXED = 96
+_REPORT_FIXED = 2048  # the Report around the parts: tag, client id (256 chars, 1 KiB), flag
+
+
+def part_bytes(p: Part) -> int:
+    """An upper bound of ``p``'s msgpack size (a UTF-8 character is at most 4 bytes; ASCII,
+    the common key, is counted exactly without encoding it)."""
+    k, s = p.key, p.segment
+    return (
+        _PART_FIXED
+        + (len(k) if k.isascii() else 4 * len(k))
+        + (len(s) if s.isascii() else 4 * len(s))
+    )
+
+
+def report_chunks(parts: list[Part], max_bytes: int) -> Iterator[tuple[list[Part], bool]]:
+    """Split a server's holdings into ``(chunk, last)`` reports that each encode to at most
+    ``max_bytes`` and hold at most ``MAX_BATCH`` parts: a chunk counted in parts alone exceeds
+    the master's frame limit once keys are long, and the master then closes the connection
+    and recovers nothing. One empty report when there is nothing to tell."""
+    budget = max(1, max_bytes - _REPORT_FIXED)
+    chunk: list[Part] = []
+    used = 0
+    for p in parts:
+        n = part_bytes(p)
+        if chunk and (used + n > budget or len(chunk) >= MAX_BATCH):
+            yield chunk, False
+            chunk, used = [], 0
+        chunk.append(p)
+        used += n
+    yield chunk, True
+
+
 class SpillDone(Msg, tag="spilled"):
     client_id: Id
     results: list[tuple[int, bool]]  # (file id, written)
@@ -253,6 +289,7 @@ class HelloOk(Msg, tag="hello_ok"):
     read_lease_ms: int
     heartbeat_ms: int
     epoch: int
+    max_frame: int = 0  # the largest control frame this master accepts (0: an older master)
 
 
 class MountOk(Msg, tag="mount_ok"):

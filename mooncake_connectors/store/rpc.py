@@ -84,6 +84,22 @@ def _connect_unix(host: str, port: int, timeout: float) -> socket.socket | None:
     return s
 
 
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether the listener at ``host:port`` answers a TLS ClientHello in TLS (a handshake, or
+    an alert such as "certificate required"). A plaintext master answers one with a refusal
+    frame, which the TLS layer reads as a wrong version, never as an alert."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # a probe: it learns what the peer speaks, nothing else
+    try:
+        with socket.create_connection((host, port), timeout) as raw, ctx.wrap_socket(raw):
+            return True
+    except ssl.SSLError as exc:
+        return "ALERT" in str(getattr(exc, "reason", "") or "").upper()
+    except OSError:
+        return False
+
+
 class Conn:
     """One accepted connection of a FrameServer."""
 
@@ -141,7 +157,9 @@ class FrameServer:
     within ``frame_timeout`` of connecting); bytes of unfinished frames, over all connections,
     stay below ``max_inflight`` (the connection that would pass it is refused); answers a peer
     does not read stay below ``2 * max_frame``. Buffers grow as bytes arrive, never by what a
-    frame header declares. A failed ``accept()`` (EMFILE...) pauses accepting, backing off.
+    frame header declares. Answers and pushes waiting to be written, over all connections, stay
+    below ``max_buffered``: past it the connections holding the most unsent bytes (the ones that
+    do not read) are closed first. A failed ``accept()`` (EMFILE...) pauses accepting, backing off.
     """
 
     def __init__(
@@ -157,9 +175,12 @@ class FrameServer:
         token: str | None = None,
         frame_timeout: float = 10.0,
         max_inflight: int = 256 << 20,
+        max_buffered: int = 256 << 20,
         tls: TlsConfig | None = None,
     ) -> None:
         self.handler = handler
+        self.max_buffered = max_buffered
+        self.buffered = 0  # bytes of answers and pushes not yet written, all connections
         self.tls = server_context(tls) if tls is not None else None
         self.tls_mutual = tls is not None and tls.mutual
         self.frame_timeout = frame_timeout
@@ -485,7 +506,7 @@ class FrameServer:
                 self._limit_log.warning("%s: %s reads no answers; closing it", self.name, conn.peer)
                 self._close(conn)
                 return
-            conn.wbuf += data
+            self._hold(conn, data)
             return
         try:
             sent = conn.sock.send(data)
@@ -495,8 +516,29 @@ class FrameServer:
             self._close(conn)
             return
         if sent < len(data):
-            conn.wbuf += data[sent:]
-            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            self._hold(conn, data[sent:] if sent else data)
+            if not conn.closed:
+                self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _hold(self, conn: Conn, data: bytes) -> None:
+        """Keep ``data`` for ``conn`` until it reads; past ``max_buffered`` in all, close those
+        holding the most unsent bytes (each alone stays below 2 * max_frame, so without a total
+        many non-reading peers could make the master hold gigabytes)."""
+        self.buffered += len(data)
+        conn.wbuf += data
+        while self.buffered > self.max_buffered and self.conns:
+            worst = max(self.conns, key=lambda c: len(c.wbuf))
+            self._limit_log.warning(
+                "%s: %d bytes of answers unread (limit %d); closing %s, which holds %d",
+                self.name,
+                self.buffered,
+                self.max_buffered,
+                worst.peer,
+                len(worst.wbuf),
+            )
+            self._close(worst)
+            if worst is conn:
+                return
 
     def _flush(self, conn: Conn) -> None:
         try:
@@ -507,6 +549,7 @@ class FrameServer:
             self._close(conn)
             return
         del conn.wbuf[:sent]
+        self.buffered -= sent
         if not conn.wbuf:
             if conn.closing:
                 self._close(conn)
@@ -520,6 +563,8 @@ class FrameServer:
         self.conns.discard(conn)
         self.inflight -= conn.counted
         conn.counted = 0
+        self.buffered -= len(conn.wbuf)
+        conn.wbuf.clear()
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         conn.sock.close()
@@ -552,6 +597,7 @@ class Channel:
     ) -> None:
         host, port = split_hostport(address)
         self.address = address
+        self._peer = (host, port)
         # The abstract unix socket skips TLS's certificates: a TLS channel always takes TCP.
         local = local_ipc and tls is None and is_loopback(host)
         sock = _connect_unix(host, port, timeout) if local else None
@@ -566,6 +612,8 @@ class Channel:
                     raise
         self.sock: socket.socket = sock
         self._fd = sock.fileno()
+        # nothing received yet over plain TCP: a reset now may be a TLS-only peer refusing us
+        self._unheard = tls is None and sock.family != socket.AF_UNIX
         # TLS may hold decrypted bytes the socket no longer shows: no spinning on its fd
         self._spin = _fast.spin() if _fast is not None and tls is None else 0.0
         self.rbuf = bytearray()
@@ -702,11 +750,29 @@ class Channel:
                 raise handshake_error(exc, self.address) from exc
             except OSError as exc:
                 self.close()
+                self._tls_refusal(exc)
                 raise ConnectionError(f"connection to {self.address} failed: {exc}") from exc
             if not data:
                 self.close()
+                self._tls_refusal(None)
                 raise ConnectionError(f"{self.address} closed the connection")
+            self._unheard = False
             buf += data
+
+    def _tls_refusal(self, exc: OSError | None) -> None:
+        """A TLS-only master drops a plaintext client at its first bytes, which looks like a
+        master that went away, and would be retried until the caller's deadline: when our
+        first answer is a reset or an end of stream, ask the peer whether it speaks TLS."""
+        if not self._unheard:
+            return
+        self._unheard = False
+        host, port = self._peer
+        if _speaks_tls(host, port, 2.0):
+            raise AuthenticationError(
+                f"{self.address} requires TLS and no TLS is configured here "
+                "(tls_cert/tls_key/tls_ca, or MOONCAKE_CONNECTORS_TLS_*)",
+                peer=self.address,
+            ) from exc
 
     def close(self) -> None:
         if not self.closed:

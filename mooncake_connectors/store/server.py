@@ -31,7 +31,6 @@ from .allocator import RangeAllocator
 from .config import ServerConfig
 from .link import Dialer, MasterLink
 from .protocol import (
-    MAX_BATCH,
     Code,
     DropFiles,
     Err,
@@ -54,12 +53,16 @@ from .protocol import (
     SpillDone,
     Unmount,
     encoder,
+    report_chunks,
 )
 from .rpc import Channel, Conn, FrameServer
 from .ssd import CORRUPT, SsdStore
 
 log = logging.getLogger(__name__)
 _LOAN_TTL = 30.0  # seconds a client may take to read a loaded SSD object
+# The largest holdings report (a quarter of the master's default 64 MiB frame limit): reports
+# are sized by bytes, since keys of up to 4 KiB make a report counted in parts alone too large.
+REPORT_BYTES = 16 << 20
 
 
 class StoreServer:
@@ -91,6 +94,7 @@ class StoreServer:
         self._ch: Channel | None = None
         self.heartbeat = 1.0
         self.registrations = 0  # how many times it mounted (1 + re-registrations)
+        self._report_bytes = REPORT_BYTES
         self.link = MasterLink(self.cfg.master, self.cfg.rpc_timeout, Dialer.of(self.cfg))
 
     @property
@@ -106,6 +110,8 @@ class StoreServer:
         if not isinstance(hello, HelloOk):
             raise StoreError(f"master refused hello: {getattr(hello, 'message', hello)}")
         self.heartbeat = hello.heartbeat_ms / 1000
+        if hello.max_frame:  # a quarter of the master's frame limit leaves room for its checks
+            self._report_bytes = min(REPORT_BYTES, hello.max_frame // 4)
         if self.engine is None:
             # The store's token guards the data plane too: without it any local process could
             # read or overwrite stored values through this engine.
@@ -219,9 +225,7 @@ class StoreServer:
             raise StoreError(f"mount refused: {reply.message}", code=reply.code)
         if recover:
             parts = [p for ps in self.holdings.values() for p in ps]
-            for i in range(0, max(1, len(parts)), MAX_BATCH // 2):
-                chunk = parts[i : i + MAX_BATCH // 2]
-                done = i + MAX_BATCH // 2 >= len(parts)
+            for chunk, done in report_chunks(parts, self._report_bytes):
                 reply = self._call(Report(self.client_id, chunk, done))
                 if isinstance(reply, Err):
                     raise StoreError(f"report refused: {reply.message}", code=reply.code)

@@ -73,6 +73,8 @@ class MasterState:
         self.reserved: dict[int, Pending] = {}  # reservation id -> allocation
         self.reserved_bytes = 0  # memory the reservations hold (capped: eviction cannot free it)
         self.key_bytes = 0  # key_cost of every key in objects and pending (cfg.key_budget)
+        # seconds of work one put may take before its remaining keys are answered BUSY
+        self.work_budget = config.server_ttl / 10
         self.segments: dict[int, Segment] = {}
         self.seg_by_name: dict[str, Segment] = {}
         self.servers: dict[str, Server] = {}
@@ -112,6 +114,7 @@ class MasterState:
                 "expired_puts",
                 "ttl_expired",
                 "servers_lost",
+                "evict_examined",
             ),
             0,
         )
@@ -506,12 +509,20 @@ class MasterState:
             if fresh is not None:
                 return fresh
         seen: set[str] = set()
+        stop = time.perf_counter() + self.work_budget
         for key, size in zip(keys, sizes, strict=True):
             if key in seen:  # a key twice in one put: its first value is stored, later ones are not
                 codes.append(Code.EXISTS)
                 out.append([])
                 continue
             seen.add(key)
+            if len(seen) > 1 and time.perf_counter() > stop:
+                # The rest is handed back (the client retries BUSY keys): a batch that has to
+                # evict or search for each key must not hold the one master thread so long
+                # that heartbeats wait past server_ttl and a live server is declared gone.
+                codes.append(Code.BUSY)
+                out.append([])
+                continue
             obj = self.objects.get(key)
             if obj is not None and (
                 self.loc(key, obj, now) is not None or self.objects.get(key) is obj
