@@ -50,7 +50,19 @@ def main() -> None:
             elif cmd == "alloc":
                 assert engine is not None
                 kind, size, seed = msg["kind"], msg["size"], msg.get("seed", 0)
-                if kind.startswith("cuda"):  # fake device memory (start with fake_cuda)
+                if kind.startswith("real_cuda"):  # through cuda-python over the fake libcuda
+                    from fake_libcuda import mem
+
+                    dev = msg.get("device", 0)
+                    if kind == "real_cuda_vmm":
+                        _, chunks = mem.vmm_alloc(dev, size // mem.GRANULARITY)
+                        addr = chunks[msg.get("chunk", 0)]
+                        size = mem.GRANULARITY
+                    else:
+                        addr = mem.alloc(dev, size)
+                    mem.fill(addr, pattern(seed, size).tobytes())
+                    engine.register_raw(addr, size, location=f"cuda:{dev}")
+                elif kind.startswith("cuda"):  # fake device memory (start with fake_cuda)
                     addr = fake.device_alloc(size, vmm=kind == "cuda_vmm")
                     fake.array(addr, size)[:] = pattern(seed, size)
                     access = Access.READ if kind == "cuda_readonly" else Access.READ_WRITE
