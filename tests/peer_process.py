@@ -84,6 +84,11 @@ def main() -> None:
                 reply = {}
             elif cmd == "fake_calls":  # what the fake CUDA driver was asked, by call name
                 reply = {"calls": {c: fake.calls.count(c) for c in set(fake.calls)}}
+            elif cmd == "pull":  # read another segment's bytes into a fresh buffer here
+                assert engine is not None
+                got = engine.allocate_buffer(msg["length"])
+                engine.read(msg["target"], got.addr, msg["addr"], msg["length"])
+                reply = {"sha": hashlib.sha256(bytes(got.array)).hexdigest()}
             elif cmd == "digest":
                 data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
                 reply = {"sha": hashlib.sha256(data).hexdigest()}

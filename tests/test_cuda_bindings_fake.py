@@ -27,7 +27,7 @@ SCENARIO = ROOT / "tests" / "fake_libcuda" / "scenario.py"
 
 
 def run_scenario(name: str, shm: Path, **switches: str) -> dict[str, Any]:
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
     proc = subprocess.run(
         [sys.executable, str(SCENARIO), name],
         env={**env(shm, **switches), "PYTHONPATH": path},
@@ -77,3 +77,38 @@ def test_init_failure_is_one_typed_error(fake_lib: Path, tmp_path: Path) -> None
     )
     assert proc.returncode == 0, proc.stderr
     assert "found no usable GPU" in proc.stdout and "CUDA_ERROR_NO_DEVICE" in proc.stdout
+
+
+def test_a_tp_rank_keeps_its_current_device_and_copies_run_in_their_devices_context(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("contexts", tmp_path)
+    for case in ("rank1_gpu", "rank1_host", "fresh_gpu", "dev0_first", "dev0_after_switch"):
+        assert out[case] == [True, True], case
+    # device 1 current before: still device 1 after registering, GPU and host transfers
+    assert [out["rank1_register"], out["rank1_after_gpu"], out["rank1_after_host"]] == [1, 1, 1]
+    assert out["fresh_after"] == -1  # a thread without a context is left without one
+    assert out["switch_after"] == 1
+    assert out["counters"]["ctx_mismatch"] == 0  # no event recorded on another context's stream
+    assert out["counters"]["no_ctx"] == 0
+
+
+def test_a_vmm_chunk_of_a_larger_reservation_is_exported_as_its_mapping(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("vmm", tmp_path)
+    for case in ("vmm", "vmm_offset", "local_vmm"):
+        assert out[case] == [True, True], case
+    assert out["export"] == [["fd", 2 << 20, 0]]  # the 2 MiB mapping, not the 8 MiB reservation
+    assert out["counters"]["unknown_copy"] == 0
+
+
+def test_an_unexportable_region_is_published_without_its_export_and_poisons_nothing(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("unexportable", tmp_path)
+    assert out["exports"] == {"bad": 0, "good": 1, "host": 0}
+    assert out["good"] == [True, True] and out["bad"] == [True, True]
+    assert out["peer_reads_bad"]
+    (warning,) = out["warnings"]
+    assert "export" in warning and "cuIpcGetMemHandle" in warning

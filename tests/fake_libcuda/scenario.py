@@ -19,9 +19,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cuda.bindings import driver as cu
 from helpers import Peer, pattern
 
-from fake_libcuda import counters, mem
+from fake_libcuda import counters, current_device, mem
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.transfer_core import TransferEngine, cuda_driver
 from mooncake_connectors.transfer_core.memory import view
@@ -105,7 +106,116 @@ def ipc() -> dict[str, Any]:
     return out
 
 
-SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {"ipc": ipc}
+def contexts() -> dict[str, Any]:
+    """Two fake devices. The application's current context (torch's current device) must be the
+    same after every engine call as before it, and a device's copies must run in that device's
+    context whatever the thread has current."""
+    ctx = {d: mem.ok(cu.cuDevicePrimaryCtxRetain(mem.ok(cu.cuDeviceGet(d)))) for d in (0, 1)}
+    seen: dict[str, Any] = {}
+    p = Pair(("cuda_ipc",))
+    try:
+        remote = p.remote("real_cuda", MIB, seed=1)
+        mem.ok(cu.cuCtxSetCurrent(ctx[1]))  # a TP rank 1: torch.cuda.set_device(1)
+        local1 = p.local_gpu(1, MIB)
+        seen["rank1_register"] = current_device()
+        seen["rank1_gpu"] = round_trips(p, local1, remote, MIB, seed=2)
+        seen["rank1_after_gpu"] = current_device()
+        host = p.engine.allocate_buffer(MIB)
+        seen["rank1_host"] = round_trips(p, host.addr, remote, 4096, seed=3)
+        seen["rank1_after_host"] = current_device()
+
+        def fresh() -> None:  # a worker thread that never touched CUDA itself
+            local0 = p.local_gpu(0, MIB)
+            seen["fresh_gpu"] = round_trips(p, local0, remote, MIB, seed=4)
+            seen["fresh_after"] = current_device()
+
+        t = threading.Thread(target=fresh)
+        t.start()
+        t.join(60)
+        # This thread moves device 0 memory, then the application switches to device 1: the
+        # next device-0 copy must still record its events in device 0's context.
+        mem.ok(cu.cuCtxSetCurrent(ctx[0]))
+        local0 = p.local_gpu(0, MIB)
+        seen["dev0_first"] = round_trips(p, local0, remote, MIB, seed=5)
+        mem.ok(cu.cuCtxSetCurrent(ctx[1]))
+        seen["dev0_after_switch"] = round_trips(p, local0, remote, MIB, seed=6)
+        seen["switch_after"] = current_device()
+    finally:
+        p.close()
+    seen["counters"] = counters()
+    return seen
+
+
+def vmm() -> dict[str, Any]:
+    """A VMM region in the second of two chunks of one reservation (torch's expandable segments
+    after growing): exported as that chunk, mapped by the peer, bytes right both ways."""
+    out: dict[str, Any] = {}
+    p = Pair(("cuda_ipc",))
+    try:
+        n = mem.GRANULARITY
+        remote = p.remote("real_cuda_vmm", 2 * n, seed=9, chunk=1)
+        local = p.local_gpu(0, n)
+        out["vmm"] = round_trips(p, local, remote, n, seed=10)
+        out["vmm_offset"] = round_trips(p, local + 7, remote + 4096, 10000, seed=11)
+        _, chunks = mem.vmm_alloc(0, 2)  # and a local VMM region, a peer's cudaMalloc memory
+        p.engine.register_raw(chunks[1], n, location="cuda:0")
+        dev = p.remote("real_cuda", n, seed=12)
+        out["local_vmm"] = round_trips(p, chunks[1], dev, n, seed=13)
+        assert p.engine.metadata is not None
+        desc = p.engine.metadata.lookup_segment(p.engine.segment_name)
+        (mine,) = [r for r in desc.regions if r.addr == chunks[1]]
+        out["export"] = [(e.kind, e.alloc_size, e.alloc_offset) for e in mine.cuda_exports]
+    finally:
+        p.close()
+    out["counters"] = counters()
+    return out
+
+
+def unexportable() -> dict[str, Any]:
+    """The driver refuses to export one region: it is still registered and reachable through tcp
+    staging, one warning says so, and later registrations are unaffected."""
+    warnings: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("mooncake_connectors").addHandler(Catch())
+    out: dict[str, Any] = {}
+    p = Pair(("cuda_ipc", "tcp"))
+    try:
+        n = 256 * 1024
+        os.environ["FAKE_CUDA_FAIL_EXPORT"] = "1"
+        bad = p.local_gpu(0, n)
+        del os.environ["FAKE_CUDA_FAIL_EXPORT"]
+        good = p.local_gpu(0, n)
+        host = p.engine.allocate_buffer(n)
+        assert p.engine.metadata is not None
+        desc = p.engine.metadata.lookup_segment(p.engine.segment_name)
+        out["exports"] = {
+            name: len(r.cuda_exports)
+            for r in desc.regions
+            for name, addr in (("bad", bad), ("good", good), ("host", host.addr))
+            if r.addr == addr
+        }
+        remote = p.remote("real_cuda", n, seed=14)
+        out["good"] = round_trips(p, good, remote, n, seed=15)
+        out["bad"] = round_trips(p, bad, remote, n, seed=16)  # as the local end: unaffected
+        pulled = p.peer.call("pull", target=p.engine.segment_name, addr=bad, length=n)
+        out["peer_reads_bad"] = pulled["sha"] == sha(bad, n)  # the peer's read: tcp staged
+        out["warnings"] = warnings
+    finally:
+        p.close()
+    return out
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "ipc": ipc,
+    "contexts": contexts,
+    "vmm": vmm,
+    "unexportable": unexportable,
+}
 
 
 def main() -> None:

@@ -99,9 +99,20 @@ class CudaIpcTransport(Transport):
         key = (region.addr, region.length)
         exports = self._exports.get(key)
         if exports is None:
-            exports = self._export(region)
+            try:
+                exports = self._export(region)
+            except GpuError as exc:
+                # Memory the driver will not share (a cudaMallocAsync pool, VMM made without
+                # the POSIX-fd handle type): published without an export, so peers reach it
+                # through tcp staging; cached as such, so this is said once per region.
+                log.warning(
+                    "cuda_ipc: %d bytes of cuda:%d at %#x are published without a CUDA export "
+                    "(peers reach it through tcp staging): %s",
+                    region.length, region.device, region.addr, exc,
+                )  # fmt: skip
+                exports = []
             self._exports[key] = exports
-        return {"cuda_exports": exports}
+        return {"cuda_exports": exports} if exports else {}
 
     def _export(self, region: Region) -> list[CudaExport]:
         drv = self._drv()
