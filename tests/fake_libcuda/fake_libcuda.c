@@ -21,7 +21,8 @@
  *   - copies must touch known memory (device, mapped-with-access, pinned or registered host);
  *   - cuEventQuery answers NOT_READY once after each record.
  * Fault switches, read at each call: FAKE_CUDA_FAIL_INIT=1 (cuInit -> NO_DEVICE),
- * FAKE_CUDA_FAIL_EXPORT=1 (cuIpcGetMemHandle and cuMemExportToShareableHandle -> NOT_SUPPORTED).
+ * FAKE_CUDA_FAIL_EXPORT=1 (cuIpcGetMemHandle and cuMemExportToShareableHandle -> NOT_SUPPORTED),
+ * FAKE_CUDA_CORRUPT_COPIES=1 (every async copy adds 1 to its first byte).
  * fake_cuda_counters() reports what happened, for the tests' assertions.
  */
 #define _GNU_SOURCE
@@ -128,11 +129,15 @@ static void drop(struct range *victim) {
 #define DEVICE_KINDS ((1 << K_DEVICE) | (1 << K_IPC) | (1 << K_MAP))
 #define HOST_KINDS ((1 << K_HOST_ALLOC) | (1 << K_HOST_REG))
 
-/* Is [p, p+n) inside one piece of memory the driver may copy? */
+/* Is all of [p, p+n) memory the driver may copy? (Adjacent VMM mappings are one range.) */
 static int usable(uintptr_t p, size_t n) {
-    struct range *r = find(p, DEVICE_KINDS | HOST_KINDS);
-    if (r == NULL || p + n > r->base + r->size) return 0;
-    return r->kind != K_MAP || r->access;
+    for (uintptr_t at = p, end = p + n; at < end;) {
+        struct range *r = find(at, DEVICE_KINDS | HOST_KINDS);
+        if (r == NULL || (r->kind == K_MAP && !r->access)) return 0;
+        if (end > r->base + r->size && r->kind != K_MAP) return 0;
+        at = r->base + r->size;
+    }
+    return 1;
 }
 
 static void dev_path(char *out, size_t cap, int pid, unsigned long long seq) {
@@ -629,13 +634,17 @@ static struct ctx *stream_ctx(struct stream *s, CUresult *rc) {
     return s->ctx;
 }
 
-static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+/* Async copies (the engine's) must touch known memory on both ends; a synchronous host copy
+ * may name pageable host memory, as with the real driver. FAKE_CUDA_CORRUPT_COPIES=1 bumps the
+ * first byte of every async copy, for tests that a checker notices wrong bytes. */
+static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, int async, int host_dst, int host_src) {
     if (n == 0) return OK;
     pthread_mutex_lock(&g_lock);
-    int ok = usable((uintptr_t)dst, n) && usable((uintptr_t)src, n);
+    int ok = (host_dst || usable((uintptr_t)dst, n)) && (host_src || usable((uintptr_t)src, n));
     pthread_mutex_unlock(&g_lock);
     if (!ok) { bump(C_UNKNOWN_COPY); return E_INVALID_VALUE; }
     memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    if (async && env_on("FAKE_CUDA_CORRUPT_COPIES")) *(unsigned char *)(uintptr_t)dst += 1;
     bump(C_COPIES);
     return OK;
 }
@@ -644,12 +653,18 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct stream
     NEED_CTX();
     CUresult rc;
     stream_ctx(s, &rc);
-    return rc != OK ? rc : copy(dst, src, n);
+    return rc != OK ? rc : copy(dst, src, n, 1, 0, 0);
 }
 
-CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) { NEED_CTX(); return copy(dst, src, n); }
-CUresult cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n) { return cuMemcpy(dst, (CUdeviceptr)(uintptr_t)src, n); }
-CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) { return cuMemcpy((CUdeviceptr)(uintptr_t)dst, src, n); }
+CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) { NEED_CTX(); return copy(dst, src, n, 0, 0, 0); }
+CUresult cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n) {
+    NEED_CTX();
+    return copy(dst, (CUdeviceptr)(uintptr_t)src, n, 0, 0, 1);
+}
+CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) {
+    NEED_CTX();
+    return copy((CUdeviceptr)(uintptr_t)dst, src, n, 0, 1, 0);
+}
 CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) { return cuMemcpy(dst, src, n); }
 
 CUresult cuMemsetD8(CUdeviceptr dst, unsigned char v, size_t n) {
