@@ -54,9 +54,8 @@ def main() -> None:
                     from fake_libcuda import mem
 
                     dev = msg.get("device", 0)
-                    if kind == "real_cuda_vmm":
-                        _, chunks = mem.vmm_alloc(dev, size // mem.GRANULARITY)
-                        addr = chunks[msg.get("chunk", 0)]
+                    if kind == "real_cuda_vmm":  # one chunk of a multi-chunk reservation
+                        addr = mem.vmm_alloc(dev, size)[msg.get("chunk", 0)]
                         size = mem.GRANULARITY
                     else:
                         addr = mem.alloc(dev, size)

@@ -35,6 +35,7 @@ then run with carry [".whl"] and the command
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -44,7 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -62,14 +63,18 @@ TARGETS = {"cuda_ipc_d2d_vs_torch_d2d": 0.9, "tcp_staged_vs_tcp_host": 0.8}
 
 # -- device memory through the driver (works on a GPU and on the fake library alike) --------
 class Dev:
-    def __init__(self) -> None:
+    """One device's primary context, through cuda.bindings. ``make_current``: make it the
+    thread's current context, as torch.cuda.set_device leaves it; every call here pushes the
+    context and pops it after, so it also works from a thread with another one current."""
+
+    def __init__(self, device: int = 0, make_current: bool = True) -> None:
         from cuda.bindings import driver as cu
 
-        self.cu = cu
+        self.cu, self.device = cu, device
         self.ok(cu.cuInit(0))
-        # the application's current device, as torch.cuda.set_device(0) leaves it
-        self.ctx = self.ok(cu.cuDevicePrimaryCtxRetain(self.ok(cu.cuDeviceGet(0))))
-        self.ok(cu.cuCtxSetCurrent(self.ctx))
+        self.ctx = self.ok(cu.cuDevicePrimaryCtxRetain(self.ok(cu.cuDeviceGet(device))))
+        if make_current:
+            self.ok(cu.cuCtxSetCurrent(self.ctx))
 
     @staticmethod
     def ok(res: Any) -> Any:
@@ -78,13 +83,26 @@ class Dev:
             raise RuntimeError(f"driver call failed: {getattr(err, 'name', err)}")
         return rest[0] if len(rest) == 1 else (tuple(rest) or None)
 
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        self.ok(self.cu.cuCtxPushCurrent(self.ctx))
+        try:
+            yield
+        finally:
+            self.ok(self.cu.cuCtxPopCurrent())
+
     def alloc(self, n: int) -> int:
-        return int(self.ok(self.cu.cuMemAlloc(n)))
+        with self.on():
+            return int(self.ok(self.cu.cuMemAlloc(n)))
 
     def vmm_chunks(self, total: int) -> tuple[int, list[int]]:
         """Enough separately created chunks for ``total`` bytes and one more, mapped at the
         start of a reservation twice as large (torch's expandable segments grow this way);
         returns the granularity and each chunk's address."""
+        with self.on():
+            return self._vmm_chunks(total)
+
+    def _vmm_chunks(self, total: int) -> tuple[int, list[int]]:
         cu = self.cu
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -92,14 +110,14 @@ class Dev:
             cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         )
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = 0
+        prop.location.id = self.device
         opt = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         gran = int(self.ok(cu.cuMemGetAllocationGranularity(prop, opt)))
         chunks = -(-total // gran) + 1
         base = int(self.ok(cu.cuMemAddressReserve(2 * chunks * gran, 0, 0, 0)))
         access = cu.CUmemAccessDesc()
         access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = 0
+        access.location.id = self.device
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         out = []
         for i in range(chunks):
@@ -111,14 +129,17 @@ class Dev:
         return gran, out
 
     def free(self, addr: int) -> None:
-        self.ok(self.cu.cuMemFree(addr))
+        with self.on():
+            self.ok(self.cu.cuMemFree(addr))
 
     def put(self, addr: int, data: np.ndarray) -> None:
-        self.ok(self.cu.cuMemcpyHtoD(addr, data.ctypes.data, data.nbytes))
+        with self.on():
+            self.ok(self.cu.cuMemcpyHtoD(addr, data.ctypes.data, data.nbytes))
 
     def get(self, addr: int, n: int) -> np.ndarray:
         out = np.empty(n, dtype=np.uint8)
-        self.ok(self.cu.cuMemcpyDtoH(out.ctypes.data, addr, n))
+        with self.on():
+            self.ok(self.cu.cuMemcpyDtoH(out.ctypes.data, addr, n))
         return out
 
 

@@ -110,7 +110,7 @@ def contexts() -> dict[str, Any]:
     """Two fake devices. The application's current context (torch's current device) must be the
     same after every engine call as before it, and a device's copies must run in that device's
     context whatever the thread has current."""
-    ctx = {d: mem.ok(cu.cuDevicePrimaryCtxRetain(mem.ok(cu.cuDeviceGet(d)))) for d in (0, 1)}
+    ctx = {d: mem.dev(d).ctx for d in (0, 1)}
     seen: dict[str, Any] = {}
     p = Pair(("cuda_ipc",))
     try:
@@ -157,7 +157,7 @@ def vmm() -> dict[str, Any]:
         local = p.local_gpu(0, n)
         out["vmm"] = round_trips(p, local, remote, n, seed=10)
         out["vmm_offset"] = round_trips(p, local + 7, remote + 4096, 10000, seed=11)
-        _, chunks = mem.vmm_alloc(0, 2)  # and a local VMM region, a peer's cudaMalloc memory
+        chunks = mem.vmm_alloc(0, 2 * n)  # and a local VMM region, a peer's cudaMalloc memory
         p.engine.register_raw(chunks[1], n, location="cuda:0")
         dev = p.remote("real_cuda", n, seed=12)
         out["local_vmm"] = round_trips(p, chunks[1], dev, n, seed=13)
