@@ -112,3 +112,12 @@ def test_an_unexportable_region_is_published_without_its_export_and_poisons_noth
     assert out["peer_reads_bad"]
     (warning,) = out["warnings"]
     assert "export" in warning and "cuIpcGetMemHandle" in warning
+
+
+def test_an_entry_point_the_driver_lacks_is_a_gpu_error_not_the_bindings_own(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("old_driver", tmp_path, FAKE_CUDA_HIDE="cuMemRetainAllocationHandle")
+    assert out["export_error"] == ["GpuError", "cuMemRetainAllocationHandle"]
+    assert out["peer_reads"]  # registered without the export; tcp staging still reaches it
+    assert "published without a CUDA export" in out["stderr"]

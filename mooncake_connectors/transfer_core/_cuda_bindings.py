@@ -60,9 +60,32 @@ def _pidfd_getfd(pid: int, fd: int) -> int:
         os.close(pidfd)
 
 
+class _Calls:
+    """``cuda.bindings.driver`` whose driver functions raise GpuError, naming the call, for what
+    the bindings raise themselves: FunctionNotFoundError for an entry point this driver lacks,
+    ValueError for a result code their enum does not know. Types and enums pass through."""
+
+    def __init__(self, cu: Any) -> None:
+        self._cu = cu
+
+    def __getattr__(self, name: str) -> Any:
+        obj = getattr(self._cu, name)
+        if not (name.startswith("cu") and callable(obj)):
+            return obj
+
+        def call(*args: Any) -> Any:
+            try:
+                return obj(*args)
+            except Exception as exc:
+                raise GpuError(f"{name} failed: {type(exc).__name__}: {exc}", call=name) from exc
+
+        self.__dict__[name] = call  # found directly from now on
+        return call
+
+
 class BindingsDriver(CudaDriver):
     def __init__(self) -> None:
-        self.cu = _import()
+        self.cu: Any = _Calls(_import())
         self._ctx: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._streams: dict[int, tuple[Any, int]] = {}  # id -> (CUstream, device)

@@ -22,7 +22,8 @@
  *   - cuEventQuery answers NOT_READY once after each record.
  * Fault switches, read at each call: FAKE_CUDA_FAIL_INIT=1 (cuInit -> NO_DEVICE),
  * FAKE_CUDA_FAIL_EXPORT=1 (cuIpcGetMemHandle and cuMemExportToShareableHandle -> NOT_SUPPORTED),
- * FAKE_CUDA_CORRUPT_COPIES=1 (every async copy adds 1 to its first byte).
+ * FAKE_CUDA_CORRUPT_COPIES=1 (every async copy adds 1 to its first byte),
+ * FAKE_CUDA_HIDE=cuA,cuB (cuGetProcAddress does not know them: an older driver), read at start.
  * fake_cuda_counters() reports what happened, for the tests' assertions.
  */
 #define _GNU_SOURCE
@@ -751,6 +752,19 @@ static const struct entry g_entries[] = {
     E(cuEventQuery), E(cuEventSynchronize),
 };
 
+/* FAKE_CUDA_HIDE=name,name: entry points this "driver" does not have. */
+static int hidden(const char *symbol) {
+    const char *list = getenv("FAKE_CUDA_HIDE");
+    size_t n = strlen(symbol);
+    for (const char *p = list; p && *p;) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len == n && strncmp(p, symbol, n) == 0) return 1;
+        p = end ? end + 1 : NULL;
+    }
+    return 0;
+}
+
 static const char *g_log; /* FAKE_CUDA_LOG_PROCS: append each resolved/missing name here */
 
 /* cuda.bindings asks for each entry point by its base name (cuMemAlloc, not cuMemAlloc_v2)
@@ -764,6 +778,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsign
     if (strcmp(symbol, "cuGetProcAddress") == 0) *pfn = (void *)cuGetProcAddress_v2;
     for (size_t i = 0; *pfn == NULL && i < sizeof g_entries / sizeof g_entries[0]; i++)
         if (strcmp(symbol, g_entries[i].name) == 0) *pfn = g_entries[i].fn;
+    if (*pfn && hidden(symbol)) *pfn = NULL; /* an older driver without this entry point */
     if (g_log == NULL) g_log = getenv("FAKE_CUDA_LOG_PROCS");
     if (g_log && g_log[0]) {
         FILE *f = fopen(g_log, "a");

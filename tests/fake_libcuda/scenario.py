@@ -210,7 +210,32 @@ def unexportable() -> dict[str, Any]:
     return out
 
 
+def old_driver() -> dict[str, Any]:
+    """Run with FAKE_CUDA_HIDE=cuMemRetainAllocationHandle: the bindings raise their own
+    FunctionNotFoundError; we must raise GpuError, and a VMM region is then published without
+    its export (peers reach it through tcp staging)."""
+    from mooncake_connectors.errors import GpuError
+
+    out: dict[str, Any] = {}
+    chunks = mem.vmm_alloc(0, MIB)
+    try:
+        cuda_driver.driver().export(chunks[0])
+    except GpuError as exc:
+        out["export_error"] = [type(exc).__name__, exc.call]
+    p = Pair(("cuda_ipc", "tcp"))
+    try:
+        n = mem.GRANULARITY
+        mem.fill(chunks[0], pattern(17, n).tobytes())
+        p.engine.register_raw(chunks[0], n, location="cuda:0")
+        pulled = p.peer.call("pull", target=p.engine.segment_name, addr=chunks[0], length=n)
+        out["peer_reads"] = pulled["sha"] == sha(chunks[0], n)
+    finally:
+        p.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "old_driver": old_driver,
     "ipc": ipc,
     "contexts": contexts,
     "vmm": vmm,
