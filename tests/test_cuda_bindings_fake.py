@@ -121,3 +121,10 @@ def test_an_entry_point_the_driver_lacks_is_a_gpu_error_not_the_bindings_own(
     assert out["export_error"] == ["GpuError", "cuMemRetainAllocationHandle"]
     assert out["peer_reads"]  # registered without the export; tcp staging still reaches it
     assert "published without a CUDA export" in out["stderr"]
+
+
+def test_exported_descriptors_are_closed_when_their_region_goes(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("fd_exports", tmp_path)
+    assert (out["registered"], out["after_unregister"], out["after_close"]) == (2, 1, 0)

@@ -201,6 +201,11 @@ class BindingsDriver(CudaDriver):
                 check("cuMemRelease", cu.cuMemRelease(mem))
         return Export("fd", struct.pack("<q", int(fd)), info.base, info.size)
 
+    def release_export(self, kind: str, handle: bytes) -> None:
+        if kind == "fd":
+            (fd,) = struct.unpack("<q", handle)
+            os.close(fd)
+
     def open_export(self, export: Export, owner_pid: int, device: int) -> int:
         with self._on(device):
             base = self._open(export, owner_pid, device)

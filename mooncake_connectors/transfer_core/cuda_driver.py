@@ -87,6 +87,12 @@ class CudaDriver(abc.ABC):
     @abc.abstractmethod
     def close_export(self, export: Export, local_base: int) -> None: ...
 
+    def release_export(self, kind: str, handle: bytes) -> None:
+        """The exporter no longer publishes this export: free what :meth:`export` made for it
+        (an "fd" export's descriptor, which also holds the physical memory). Default: nothing
+        was made."""
+        del kind, handle
+
     def dmabuf_export(self, addr: int, length: int) -> tuple[int, int]:
         """A dma-buf fd covering ``[addr, addr + length)`` and ``addr``'s offset in it (for
         RDMA registration of GPU memory); GpuError where the driver cannot export one."""

@@ -7,6 +7,7 @@ JSON line of facts for the test to check: digests, current contexts, the fake's 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -234,7 +235,38 @@ def old_driver() -> dict[str, Any]:
     return out
 
 
+def vmm_fds() -> int:
+    """Descriptors of this process open on the fake's VMM memory (its handles, our exports)."""
+    out = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since listed
+            out += "fakecuda-vmm" in os.readlink(f"/proc/self/fd/{fd}")
+    return out
+
+
+def fd_exports() -> dict[str, Any]:
+    """A VMM region's exported descriptor is closed when the region is unregistered, and the
+    remaining ones when the engine closes."""
+    from mooncake_connectors.config import EngineConfig
+
+    out: dict[str, Any] = {}
+    engine = TransferEngine(EngineConfig(metadata="memory", transports=("cuda_ipc",))).start()
+    try:
+        a, b = mem.vmm_alloc(0, MIB)[0], mem.vmm_alloc(0, MIB)[0]
+        base = vmm_fds()
+        region = engine.register_raw(a, mem.GRANULARITY, location="cuda:0")
+        engine.register_raw(b, mem.GRANULARITY, location="cuda:0")
+        out["registered"] = vmm_fds() - base
+        engine.unregister(region)
+        out["after_unregister"] = vmm_fds() - base
+    finally:
+        engine.close()
+    out["after_close"] = vmm_fds() - base
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "fd_exports": fd_exports,
     "old_driver": old_driver,
     "ipc": ipc,
     "contexts": contexts,

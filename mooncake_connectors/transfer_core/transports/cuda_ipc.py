@@ -141,7 +141,7 @@ class CudaIpcTransport(Transport):
             self._epoch.write(epoch)
         live = {(r.addr, r.length) for r in self.ctx.local.regions()}
         for key in [k for k in self._exports if k not in live]:
-            del self._exports[key]
+            self._release(self._exports.pop(key))
         starts = {a for a, _ in live}
         with self._lock:
             gone = [a for a in self._pinned if a not in starts]
@@ -152,6 +152,13 @@ class CudaIpcTransport(Transport):
                 self._drv().host_unregister(a)
             except GpuError as exc:  # the memory may be gone already; nothing else to undo
                 log.warning("cuda_ipc: unpinning %#x failed: %s", a, exc)
+
+    def _release(self, exports: list[CudaExport]) -> None:
+        for ex in exports:
+            try:
+                self._drv().release_export(ex.kind, ex.handle)
+            except (GpuError, OSError) as exc:
+                log.warning("cuda_ipc: releasing an export failed: %s", exc)
 
     # -- reachability -----------------------------------------------------------------------
     def serves(self, local: LocationKind, remote: LocationKind) -> bool:
@@ -372,6 +379,9 @@ class CudaIpcTransport(Transport):
                 state.release()
             except GpuError as exc:
                 log.warning("cuda_ipc: releasing a peer's handles failed: %s", exc)
+        exports, self._exports = list(self._exports.values()), {}
+        for ex in exports:
+            self._release(ex)
         if pinned and cuda_driver.loaded():
             for addr in pinned:
                 try:
