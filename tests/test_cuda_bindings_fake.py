@@ -63,20 +63,38 @@ def test_bytes_move_between_processes_through_the_real_bindings(
     assert c["not_ready"] > 0  # the NOT_READY answers were waited through
 
 
-def test_init_failure_is_one_typed_error(fake_lib: Path, tmp_path: Path) -> None:
-    code = (
-        "from mooncake_connectors.transfer_core import cuda_driver\n"
-        "print(cuda_driver.unavailable_reason())\n"
-    )
+def run_code(code: str, shm: Path, **switches: str) -> str:
     proc = subprocess.run(
         [sys.executable, "-c", code],
-        env={**env(tmp_path, FAKE_CUDA_FAIL_INIT="1"), "PYTHONPATH": str(ROOT)},
+        env={**env(shm, **switches), "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "found no usable GPU" in proc.stdout and "CUDA_ERROR_NO_DEVICE" in proc.stdout
+    return proc.stdout
+
+
+def test_init_failure_is_one_typed_error(fake_lib: Path, tmp_path: Path) -> None:
+    code = (
+        "from mooncake_connectors.transfer_core import cuda_driver\n"
+        "print(cuda_driver.unavailable_reason())\n"
+    )
+    out = run_code(code, tmp_path, FAKE_CUDA_FAIL_INIT="1")
+    assert "found no usable GPU" in out and "CUDA_ERROR_NO_DEVICE" in out
+
+
+def test_doctor_describes_the_devices_through_the_real_bindings(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    code = (
+        "from mooncake_connectors.transfer_core import doctor\n"
+        "print('\\n'.join(f.line() for f in doctor.check_gpus()))\n"
+    )
+    lines = run_code(code, tmp_path).splitlines()
+    assert "2 GPU(s); driver supports CUDA 12.8" in lines[0]
+    assert "cuda:1 FAKE CUDA device 1 (not a GPU)" in lines[2] and "VMM yes" in lines[2]
+    assert "0:-P 1:P-" in lines[3]
 
 
 def test_a_tp_rank_keeps_its_current_device_and_copies_run_in_their_devices_context(
