@@ -91,9 +91,13 @@ def test_doctor_describes_the_devices_through_the_real_bindings(
         "from mooncake_connectors.transfer_core import doctor\n"
         "print('\\n'.join(f.line() for f in doctor.check_gpus()))\n"
     )
-    lines = run_code(code, tmp_path).splitlines()
+    lines = run_code(code, tmp_path, FAKE_CUDA_ATTRS="103=0,124=1").splitlines()
     assert "2 GPU(s); driver supports CUDA 12.8" in lines[0]
-    assert "cuda:1 FAKE CUDA device 1 (not a GPU)" in lines[2] and "VMM yes" in lines[2]
+    assert "CUDA IPC" not in "".join(lines)  # never claimed without asking the driver
+    assert (
+        "cuda:1 FAKE CUDA device 1 (not a GPU): VMM yes, VMM fd export no, dma-buf yes"
+        in (lines[2])
+    )
     assert "0:-P 1:P-" in lines[3]
 
 

@@ -24,7 +24,7 @@ def fake() -> Iterator[FakeCuda]:
 def test_gpus_versions_vmm_and_peer_matrix(fake: FakeCuda) -> None:
     lines = [f.line() for f in doctor.check_gpus()]
     assert lines[0].startswith("[ok  ] gpu: 3 GPU(s); driver supports CUDA 12.8")
-    assert "cuda:1 Fake GPU 1: CUDA IPC yes, VMM yes" in lines[2]
+    assert "cuda:1 Fake GPU 1: VMM yes, VMM fd export yes, dma-buf no" in lines[2]
     assert "0:-PP 1:P-P 2:PP-" in lines[-1]
 
 

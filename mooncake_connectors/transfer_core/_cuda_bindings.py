@@ -145,6 +145,13 @@ class BindingsDriver(CudaDriver):
     def supports_vmm(self, device: int) -> bool:
         return bool(self._attr(device, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"))
 
+    def supports_fd_export(self, device: int) -> bool:
+        name = "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+        return bool(self._attr(device, name))
+
+    def supports_dmabuf(self, device: int) -> bool:
+        return bool(self._attr(device, "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED"))
+
     def can_access_peer(self, device: int, peer: int) -> bool:
         return bool(check("cuDeviceCanAccessPeer", self.cu.cuDeviceCanAccessPeer(device, peer)))
 

@@ -70,6 +70,15 @@ class CudaDriver(abc.ABC):
     @abc.abstractmethod
     def supports_vmm(self, device: int) -> bool: ...
 
+    def supports_fd_export(self, device: int) -> bool:
+        """Can VMM allocations be exported as POSIX fds (how cuda_ipc shares them)?"""
+        return self.supports_vmm(device)
+
+    def supports_dmabuf(self, device: int) -> bool:
+        """Can device memory be exported as a dma-buf (RDMA registration of GPU memory)?"""
+        del device
+        return False
+
     @abc.abstractmethod
     def can_access_peer(self, device: int, peer: int) -> bool: ...
 

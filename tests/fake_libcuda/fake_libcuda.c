@@ -23,7 +23,8 @@
  * Fault switches, read at each call: FAKE_CUDA_FAIL_INIT=1 (cuInit -> NO_DEVICE),
  * FAKE_CUDA_FAIL_EXPORT=1 (cuIpcGetMemHandle and cuMemExportToShareableHandle -> NOT_SUPPORTED),
  * FAKE_CUDA_CORRUPT_COPIES=1 (every async copy adds 1 to its first byte),
- * FAKE_CUDA_HIDE=cuA,cuB (cuGetProcAddress does not know them: an older driver), read at start.
+ * FAKE_CUDA_HIDE=cuA,cuB (cuGetProcAddress does not know them: an older driver), read at start,
+ * FAKE_CUDA_ATTRS=103=0,124=1 (device attributes answered otherwise).
  * fake_cuda_counters() reports what happened, for the tests' assertions.
  */
 #define _GNU_SOURCE
@@ -192,8 +193,22 @@ CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) {
 
 CUresult cuDeviceTotalMem(size_t *bytes, CUdevice d) { CHECK_DEV(d); *bytes = (size_t)1 << 34; return OK; }
 
+/* FAKE_CUDA_ATTRS=103=0,124=1: device attributes answered otherwise (all devices). */
+static int attr_override(int attrib, int *value) {
+    const char *p = getenv("FAKE_CUDA_ATTRS");
+    while (p && *p) {
+        int a, v, used = 0;
+        if (sscanf(p, "%d=%d%n", &a, &v, &used) != 2) return 0;
+        if (a == attrib) { *value = v; return 1; }
+        p += used;
+        if (*p == ',') p++;
+    }
+    return 0;
+}
+
 CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice d) {
     CHECK_DEV(d);
+    if (attr_override(attrib, pi)) return OK;
     switch (attrib) {
     case 102: /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     case 103: /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
