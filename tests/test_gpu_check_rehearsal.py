@@ -23,8 +23,10 @@ from fake_libcuda import build, cuda_python_missing, env
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
-    cuda_python_missing() is not None or shutil.which("git") is None,
-    reason=str(cuda_python_missing() or "no git"),
+    cuda_python_missing() is not None
+    or shutil.which("git") is None
+    or not (ROOT / ".git").exists(),
+    reason=str(cuda_python_missing() or "not a git checkout: no list of tracked files"),
 )
 
 
