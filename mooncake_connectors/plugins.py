@@ -3,7 +3,9 @@
 Transports and metadata backends are plugins found through the entry-point groups
 ``mooncake_connectors.transports`` and ``mooncake_connectors.metadata``. Each entry point names a
 module (or object) that implements one hook returning the plugin class. Built-ins are registered
-through this package's own entry points, exactly like third-party plugins.
+through this package's own entry points, exactly like third-party plugins, and are also known by
+module path here: a copy of the source tree that was never installed (no entry points, as on a
+machine given only the tracked files) still finds them.
 
 Duplicate names raise :class:`PluginError`; nothing is silently overwritten.
 """
@@ -40,6 +42,18 @@ class _Specs:
 
 
 T = TypeVar("T")
+
+# The same names and modules as pyproject.toml's entry points (test_plugins checks they agree).
+BUILTINS: dict[str, dict[str, str]] = {
+    TRANSPORT_GROUP: {
+        name: f"mooncake_connectors.transfer_core.transports.{name}"
+        for name in ("tcp", "shm", "cuda_ipc", "rdma")
+    },
+    METADATA_GROUP: {
+        name: f"mooncake_connectors.transfer_core.metadata.{name}"
+        for name in ("memory", "http", "etcd", "p2p")
+    },
+}
 
 
 class Registry(Generic[T]):
@@ -78,6 +92,24 @@ class Registry(Generic[T]):
                     ) from exc
                 self._pm.register(obj, name=f"{self._group}:{ep.name}")
                 classes[ep.name] = _call_one(self._pm, self._hook, obj)
+            for name, module in BUILTINS.get(self._group, {}).items():
+                if name in seen:
+                    if seen[name] != module:
+                        raise PluginError(
+                            f"a plugin claims the built-in name {name!r} in {self._group}",
+                            first=module,
+                            second=seen[name],
+                        )
+                    continue
+                try:
+                    obj = importlib.import_module(module)
+                except Exception as exc:
+                    raise PluginError(
+                        f"built-in plugin {name!r} ({module}) failed to load: {exc}",
+                        group=self._group,
+                    ) from exc
+                self._pm.register(obj, name=f"{self._group}:{name}")
+                classes[name] = _call_one(self._pm, self._hook, obj)
             self._classes = classes
             return classes
 

@@ -50,7 +50,18 @@ def main() -> None:
             elif cmd == "alloc":
                 assert engine is not None
                 kind, size, seed = msg["kind"], msg["size"], msg.get("seed", 0)
-                if kind.startswith("cuda"):  # fake device memory (start with fake_cuda)
+                if kind.startswith("real_cuda"):  # through cuda-python over the fake libcuda
+                    from fake_libcuda import mem
+
+                    dev = msg.get("device", 0)
+                    if kind == "real_cuda_vmm":  # one chunk of a multi-chunk reservation
+                        addr = mem.vmm_alloc(dev, size)[msg.get("chunk", 0)]
+                        size = mem.GRANULARITY
+                    else:
+                        addr = mem.alloc(dev, size)
+                    mem.fill(addr, pattern(seed, size).tobytes())
+                    engine.register_raw(addr, size, location=f"cuda:{dev}")
+                elif kind.startswith("cuda"):  # fake device memory (start with fake_cuda)
                     addr = fake.device_alloc(size, vmm=kind == "cuda_vmm")
                     fake.array(addr, size)[:] = pattern(seed, size)
                     access = Access.READ if kind == "cuda_readonly" else Access.READ_WRITE
@@ -72,6 +83,11 @@ def main() -> None:
                 reply = {}
             elif cmd == "fake_calls":  # what the fake CUDA driver was asked, by call name
                 reply = {"calls": {c: fake.calls.count(c) for c in set(fake.calls)}}
+            elif cmd == "pull":  # read another segment's bytes into a fresh buffer here
+                assert engine is not None
+                got = engine.allocate_buffer(msg["length"])
+                engine.read(msg["target"], got.addr, msg["addr"], msg["length"])
+                reply = {"sha": hashlib.sha256(bytes(got.array)).hexdigest()}
             elif cmd == "digest":
                 data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
                 reply = {"sha": hashlib.sha256(data).hexdigest()}

@@ -24,7 +24,7 @@ def fake() -> Iterator[FakeCuda]:
 def test_gpus_versions_vmm_and_peer_matrix(fake: FakeCuda) -> None:
     lines = [f.line() for f in doctor.check_gpus()]
     assert lines[0].startswith("[ok  ] gpu: 3 GPU(s); driver supports CUDA 12.8")
-    assert "cuda:1 Fake GPU 1: CUDA IPC yes, VMM yes" in lines[2]
+    assert "cuda:1 Fake GPU 1: VMM yes, VMM fd export yes, dma-buf no" in lines[2]
     assert "0:-PP 1:P-P 2:PP-" in lines[-1]
 
 
@@ -91,3 +91,20 @@ def test_doctor_prints_the_rdma_topology_matrix(tmp_path: Path) -> None:
     lines = [f.message for f in doctor.run(root=str(tmp_path)) if f.area == "topology"]
     assert any("mlx5_0" in line and "ACTIVE" in line for line in lines)
     assert any(line.startswith("GPU0") and "PIX" in line for line in lines)
+
+
+def test_the_cuda_extra_admits_only_releases_with_cuda_bindings() -> None:
+    """cuda-python 12.0 to 12.6.0 install fine but have no ``cuda.bindings`` (the user would be
+    told it is not installed); 12.6.1 is the first with it."""
+    from pathlib import Path
+
+    import tomllib
+
+    requirements = pytest.importorskip("packaging.requirements")
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as fh:
+        (spec,) = tomllib.load(fh)["project"]["optional-dependencies"]["cuda"]
+    req = requirements.Requirement(spec)
+    assert req.name == "cuda-python"
+    assert [v in req.specifier for v in ("12.0.0", "12.6.0", "12.6.1", "13.4.4")] == [
+        False, False, True, True,
+    ]  # fmt: skip

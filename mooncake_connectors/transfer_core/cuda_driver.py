@@ -70,6 +70,15 @@ class CudaDriver(abc.ABC):
     @abc.abstractmethod
     def supports_vmm(self, device: int) -> bool: ...
 
+    def supports_fd_export(self, device: int) -> bool:
+        """Can VMM allocations be exported as POSIX fds (how cuda_ipc shares them)?"""
+        return self.supports_vmm(device)
+
+    def supports_dmabuf(self, device: int) -> bool:
+        """Can device memory be exported as a dma-buf (RDMA registration of GPU memory)?"""
+        del device
+        return False
+
     @abc.abstractmethod
     def can_access_peer(self, device: int, peer: int) -> bool: ...
 
@@ -86,6 +95,12 @@ class CudaDriver(abc.ABC):
 
     @abc.abstractmethod
     def close_export(self, export: Export, local_base: int) -> None: ...
+
+    def release_export(self, kind: str, handle: bytes) -> None:
+        """The exporter no longer publishes this export: free what :meth:`export` made for it
+        (an "fd" export's descriptor, which also holds the physical memory). Default: nothing
+        was made."""
+        del kind, handle
 
     def dmabuf_export(self, addr: int, length: int) -> tuple[int, int]:
         """A dma-buf fd covering ``[addr, addr + length)`` and ``addr``'s offset in it (for

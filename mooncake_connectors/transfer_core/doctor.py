@@ -73,13 +73,17 @@ def _describe_gpus(drv: cuda_driver.CudaDriver) -> list[Finding]:
         )
     ]
     for d in range(n):
-        vmm = drv.supports_vmm(d)
+        # What the driver says of each device; cudaMalloc memory's legacy IPC has no device
+        # attribute to ask (cuda_ipc finds out at the first export), so nothing is claimed.
+        vmm, fd, dmabuf = drv.supports_vmm(d), drv.supports_fd_export(d), drv.supports_dmabuf(d)
+        shared = vmm and fd
         out.append(
             Finding(
                 "gpu",
-                "ok",
-                f"cuda:{d} {drv.device_name(d)}: CUDA IPC yes, VMM {'yes' if vmm else 'no'}"
-                + ("" if vmm else " (expandable-segment allocations cannot be shared)"),
+                "ok" if shared else "warn",
+                f"cuda:{d} {drv.device_name(d)}: VMM {'yes' if vmm else 'no'}, "
+                f"VMM fd export {'yes' if fd else 'no'}, dma-buf {'yes' if dmabuf else 'no'}",
+                "" if shared else "expandable-segment allocations cannot be shared by cuda_ipc",
             )
         )
     if n > 1:

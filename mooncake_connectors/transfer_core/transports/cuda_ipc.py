@@ -99,9 +99,20 @@ class CudaIpcTransport(Transport):
         key = (region.addr, region.length)
         exports = self._exports.get(key)
         if exports is None:
-            exports = self._export(region)
+            try:
+                exports = self._export(region)
+            except GpuError as exc:
+                # Memory the driver will not share (a cudaMallocAsync pool, VMM made without
+                # the POSIX-fd handle type): published without an export, so peers reach it
+                # through tcp staging; cached as such, so this is said once per region.
+                log.warning(
+                    "cuda_ipc: %d bytes of cuda:%d at %#x are published without a CUDA export "
+                    "(peers reach it through tcp staging): %s",
+                    region.length, region.device, region.addr, exc,
+                )  # fmt: skip
+                exports = []
             self._exports[key] = exports
-        return {"cuda_exports": exports}
+        return {"cuda_exports": exports} if exports else {}
 
     def _export(self, region: Region) -> list[CudaExport]:
         drv = self._drv()
@@ -130,7 +141,7 @@ class CudaIpcTransport(Transport):
             self._epoch.write(epoch)
         live = {(r.addr, r.length) for r in self.ctx.local.regions()}
         for key in [k for k in self._exports if k not in live]:
-            del self._exports[key]
+            self._release(self._exports.pop(key))
         starts = {a for a, _ in live}
         with self._lock:
             gone = [a for a in self._pinned if a not in starts]
@@ -141,6 +152,13 @@ class CudaIpcTransport(Transport):
                 self._drv().host_unregister(a)
             except GpuError as exc:  # the memory may be gone already; nothing else to undo
                 log.warning("cuda_ipc: unpinning %#x failed: %s", a, exc)
+
+    def _release(self, exports: list[CudaExport]) -> None:
+        for ex in exports:
+            try:
+                self._drv().release_export(ex.kind, ex.handle)
+            except (GpuError, OSError) as exc:
+                log.warning("cuda_ipc: releasing an export failed: %s", exc)
 
     # -- reachability -----------------------------------------------------------------------
     def serves(self, local: LocationKind, remote: LocationKind) -> bool:
@@ -361,6 +379,9 @@ class CudaIpcTransport(Transport):
                 state.release()
             except GpuError as exc:
                 log.warning("cuda_ipc: releasing a peer's handles failed: %s", exc)
+        exports, self._exports = list(self._exports.values()), {}
+        for ex in exports:
+            self._release(ex)
         if pinned and cuda_driver.loaded():
             for addr in pinned:
                 try:
