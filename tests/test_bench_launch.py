@@ -19,6 +19,7 @@ from mooncake_connectors.bench.launch import (
     PORT_ATTEMPTS,
     ProxyServer,
     Server,
+    StoreMaster,
     VllmServer,
     http_ok,
 )
@@ -176,3 +177,23 @@ def test_our_master_binds_port_zero_and_reports_the_port(tmp_path: Path) -> None
         socket.create_connection((host, int(port)), timeout=5).close()
     finally:
         stop_all(procs)
+
+
+def test_store_master_reports_its_metrics_port_and_a_taken_control_port_fails_at_once(
+    tmp_path: Path, taken: list[socket.socket]
+) -> None:
+    m = StoreMaster(tmp_path)
+    try:
+        m.launch().wait_ready(timeout=60)  # --metrics-port 0: the port it reported answers
+        assert http_ok(m.url + "/health")
+    finally:
+        m.stop()
+    # Engines name the control port before the master starts, so it cannot move: one start.
+    m = StoreMaster(tmp_path)
+    _occupy(m.rpc_port, taken)
+    try:
+        holder = rf"\(1 start\(s\)\): port {m.rpc_port}: pid {os.getpid()} \("
+        with pytest.raises(RuntimeError, match=holder):
+            m.launch().wait_ready(timeout=60)
+    finally:
+        m.stop()

@@ -73,7 +73,7 @@ def holders(port: int) -> str:
 def describe_clash(ports: Iterable[int], lines: list[str]) -> str:
     """The ports named in ``lines`` (all ``ports`` when none is) and who holds each now."""
     ports = list(ports)
-    named = [p for p in ports if any(str(p) in line for line in lines)] or ports
+    named = [p for p in ports if any(re.search(rf"\b{p}\b", line) for line in lines)] or ports
     return "; ".join(f"port {p}: {holders(p)}" for p in named)
 
 
