@@ -16,6 +16,7 @@ from helpers import pattern, wait_until
 from store_cluster import FAST, client, cluster, start_master, start_server, wait_servers
 
 from mooncake_connectors.errors import CapacityExceeded
+from mooncake_connectors.store.ssd import files_bytes
 
 WORKER = Path(__file__).parents[1] / "tests" / "store_worker.py"
 KiB = 1024
@@ -151,7 +152,7 @@ def test_ssd_tier_spills_serves_back_and_keeps_its_budget(tmp_path: Path) -> Non
             st = c.stats()
             assert st["spills"] >= 12 and 0 < st["ssd_used_bytes"] <= 4 << 20
             assert c.get_batch(list(vals)) == list(vals.values())  # every byte, some from SSD
-            disk = sum(p.stat().st_size for p in ssd.glob("*.obj"))
+            disk = files_bytes(ssd, "*.obj")
             assert 0 < disk <= 4 << 20
             more = {f"e{i}": pattern(100 + i, 256 * KiB).tobytes() for i in range(20)}
 
@@ -165,10 +166,30 @@ def test_ssd_tier_spills_serves_back_and_keeps_its_budget(tmp_path: Path) -> Non
             for k in more:
                 wait_until(lambda k=k: put(k), 10, "the read leases to end")
             wait_until(lambda: c.stats()["spilling"] == 0, 10, "spills to finish")
-            assert sum(p.stat().st_size for p in ssd.glob("*.obj")) <= 4 << 20
+            assert files_bytes(ssd, "*.obj") <= 4 << 20
             assert c.stats()["ssd_drops"] > 0
             assert c.get("d0") is None  # the least recently read file on SSD made room
             assert c.get("e19") == more["e19"]
+    finally:
+        s.close()
+        m.close()
+
+
+def test_a_full_ssd_makes_room_for_the_next_spill_instead_of_failing_it(tmp_path: Path) -> None:
+    """Once the SSD is full each spill comes with a drop of the least recently read file: the
+    server must get the drop first, or it refuses the write as over its budget and the spilled
+    object is lost as well (9 of 32 spills failed so)."""
+    m, addr = start_master(*FAST, "--promote-hits", "0")
+    s = start_server(addr, "2M", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "4M")
+    try:
+        with client(addr) as c:
+            wait_servers(c, 1)
+            for i in range(40):  # 10 MiB through 2 MiB of memory and 4 MiB of SSD
+                c.put(f"d{i}", pattern(i, 256 * KiB).tobytes())
+                wait_until(lambda: c.stats()["spilling"] == 0, 10, "the spill to finish")
+            st = c.stats()
+            assert st["ssd_drops"] > 0 and st["spill_failures"] == 0, st
+            assert c.get("d0") is None and c.get("d25") == pattern(25, 256 * KiB).tobytes()
     finally:
         s.close()
         m.close()

@@ -18,6 +18,7 @@ from store_cluster import FAST, Proc, client, start_master, start_server, wait_s
 
 from mooncake_connectors.errors import MooncakeConnectorsError
 from mooncake_connectors.store import StoreClient
+from mooncake_connectors.store.ssd import files_bytes
 
 KiB = 1024
 MiB = 1 << 20
@@ -40,11 +41,7 @@ class DiskWatch:
     def _run(self) -> None:
         while not self._stop.wait(0.005):
             for d in self.dirs:
-                total = 0
-                for p in list(d.glob("*")):
-                    with contextlib.suppress(FileNotFoundError):  # renamed or deleted meanwhile
-                        total += p.stat().st_size
-                self.peak = max(self.peak, total)
+                self.peak = max(self.peak, files_bytes(d))
             self.samples += 1
 
     def stop(self) -> int:

@@ -7,7 +7,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,13 +17,9 @@ from typing import Any
 
 import pytest
 
+from mooncake_connectors.bench.ports import free_port as free_port  # the tests' too
+
 PEER_SCRIPT = Path(__file__).with_name("peer_process.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.02) -> None:

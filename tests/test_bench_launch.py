@@ -1,14 +1,30 @@
-"""The bench launcher confines a server's whole process tree to its CPUs when asked."""
+"""The bench launcher: a server's whole process tree on its CPUs when asked; a server whose
+reserved port another process took starts again on a fresh one, a bounded number of times; our
+master binds port 0 and reports the port it got."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from mooncake_connectors.bench.launch import Server, VllmServer
+from mooncake_connectors.bench.launch import (
+    FRESH_PORT,
+    PORT_ATTEMPTS,
+    ProxyServer,
+    Server,
+    StoreMaster,
+    VllmServer,
+    http_ok,
+)
+from mooncake_connectors.bench.ports import holders
+from mooncake_connectors.bench.procs import start_master, stop_all
 
 CHILD = (
     "import os, subprocess, sys; print('parent', sorted(os.sched_getaffinity(0)), flush=True); "
@@ -54,3 +70,130 @@ def test_vllm_server_pins_only_when_asked(tmp_path: Path) -> None:
     assert pinned.cpus() == {1}
     cmd = pinned.command()
     assert cmd[cmd.index("--dtype") + 1] == "float32"
+
+
+class _Http(Server):
+    """Python's own HTTP server, serving a directory with a ``health`` file: a real process
+    that fails with "Address already in use" when its port is taken."""
+
+    name = "http"
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        super().__init__(log_dir, port)
+        self.root = log_dir / "root"
+        self.root.mkdir(exist_ok=True)
+        (self.root / "health").write_text("ok")
+
+    def command(self) -> list[str]:
+        root = str(self.root)
+        return [sys.executable, "-m", "http.server", "-b", "127.0.0.1", "-d", root, str(self.port)]
+
+
+@pytest.fixture
+def taken() -> Iterator[list[socket.socket]]:
+    """Listening sockets of this process, closed after the test."""
+    socks: list[socket.socket] = []
+    yield socks
+    for s in socks:
+        s.close()
+
+
+def _occupy(port: int, socks: list[socket.socket]) -> None:
+    s = socket.socket()
+    socks.append(s)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_a_fresh_one(
+    tmp_path: Path, taken: list[socket.socket]
+) -> None:
+    srv = _Http(tmp_path)
+    first = srv.port
+    _occupy(first, taken)  # another process took it between the reservation and the bind
+    try:
+        srv.launch().wait_ready(timeout=60)
+        assert srv.port != first and http_ok(srv.url + "/health")
+        assert srv.log_path.read_text().lower().count("address already in use") == 1
+    finally:
+        srv.stop()
+
+
+def test_past_its_bound_a_taken_port_fails_naming_the_holder(
+    tmp_path: Path, taken: list[socket.socket]
+) -> None:
+    assert PORT_ATTEMPTS > 1
+    srv = _Http(tmp_path)
+    srv.attempts = 1  # the first start is the last: its clash is final
+    _occupy(srv.port, taken)
+    try:
+        with pytest.raises(RuntimeError, match=rf"port {srv.port}: pid {os.getpid()} \("):
+            srv.launch().wait_ready(timeout=60)
+    finally:
+        srv.stop()
+    fixed = _Http(tmp_path, port=srv.port)  # a port the caller fixed never moves: it fails
+    try:
+        with pytest.raises(RuntimeError, match=r"\(1 start\(s\)\)"):
+            fixed.launch().wait_ready(timeout=60)
+    finally:
+        fixed.stop()
+
+
+def test_holders_names_the_listening_process(taken: list[socket.socket]) -> None:
+    s = socket.socket()
+    taken.append(s)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    assert holders(port) == "no process listens on it now"  # bound, not listening
+    s.listen()
+    assert holders(port).startswith(f"pid {os.getpid()} (")
+
+
+def test_fresh_ports_are_reserved_per_start_and_the_proxy_follows(tmp_path: Path) -> None:
+    kv = {"kv_connector": "X", "kv_connector_extra_config": {"lookup_rpc_port": FRESH_PORT}}
+    engine = VllmServer(tmp_path, tmp_path, core=0, kv_transfer_config=kv, env={"SIDE": FRESH_PORT})
+    side = int(engine.environment()["SIDE"])
+    assert side == engine.env_port("SIDE")
+    cmd = engine.command()
+    lookup = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert lookup["kv_connector_extra_config"]["lookup_rpc_port"] not in (FRESH_PORT, side)
+    proxy = ProxyServer(tmp_path, [engine], ["http://127.0.0.1:1"])
+    before = proxy.command()
+    assert before[before.index("--prefill") + 1] == engine.url
+    engine.reserve()  # a new start: new numbers, and the proxy names the new URL
+    assert int(engine.environment()["SIDE"]) == engine.env_port("SIDE")
+    after = proxy.command()
+    assert (
+        after[after.index("--prefill") + 1] == engine.url != before[before.index("--prefill") + 1]
+    )
+
+
+def test_our_master_binds_port_zero_and_reports_the_port(tmp_path: Path) -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        address = start_master([], procs)
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        socket.create_connection((host, int(port)), timeout=5).close()
+    finally:
+        stop_all(procs)
+
+
+def test_store_master_reports_its_metrics_port_and_a_taken_control_port_fails_at_once(
+    tmp_path: Path, taken: list[socket.socket]
+) -> None:
+    m = StoreMaster(tmp_path)
+    try:
+        m.launch().wait_ready(timeout=60)  # --metrics-port 0: the port it reported answers
+        assert http_ok(m.url + "/health")
+    finally:
+        m.stop()
+    # Engines name the control port before the master starts, so it cannot move: one start.
+    m = StoreMaster(tmp_path)
+    _occupy(m.rpc_port, taken)
+    try:
+        holder = rf"\(1 start\(s\)\): port {m.rpc_port}: pid {os.getpid()} \("
+        with pytest.raises(RuntimeError, match=holder):
+            m.launch().wait_ready(timeout=60)
+    finally:
+        m.stop()

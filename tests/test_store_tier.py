@@ -4,7 +4,10 @@ master asks them is read from their records, and their answers are fed back."""
 
 from __future__ import annotations
 
+import os
 import zlib
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +15,7 @@ from mooncake_connectors.store.config import MasterConfig
 from mooncake_connectors.store.protocol import SSD_HEADER, Code
 from mooncake_connectors.store.records import PROMOTING, SPILLING
 from mooncake_connectors.store.recovery import collect
-from mooncake_connectors.store.ssd import CORRUPT, MISSING, SsdStore
+from mooncake_connectors.store.ssd import CORRUPT, MISSING, SsdStore, files_bytes
 from mooncake_connectors.store.state import MasterState
 from mooncake_connectors.store.tier import ssd_bytes
 
@@ -264,3 +267,23 @@ def test_a_damaged_file_drops_its_object_from_ssd() -> None:
     assert s.counters["ssd_damaged"] == 1 and s.counters["ssd_drops"] == 0
     assert s.stats()["ssd_used_bytes"] == 0  # every stripe's file goes
     s.file_lost(s.servers[cid], fid)  # a repeated report is harmless
+
+
+def test_disk_bytes_counts_a_file_deleted_between_listing_and_stat_as_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server deletes SSD files while a reader sums them: a file listed but gone by its
+    ``stat`` is 0 bytes, not a ``FileNotFoundError`` (a test failed on it under load)."""
+    store = SsdStore(str(tmp_path), 1 * MiB)
+    for fid in range(3):
+        assert store.write(fid, memoryview(bytes(1000 * (fid + 1))))
+    real_glob = Path.glob
+
+    def glob_then_delete(self: Path, pattern: str) -> Iterator[Path]:
+        listed = sorted(real_glob(self, pattern))
+        os.unlink(listed[0])  # the server's delete, landing after the listing
+        return iter(listed)
+
+    monkeypatch.setattr(Path, "glob", glob_then_delete)
+    assert store.disk_bytes() == (SSD_HEADER + 2000) + (SSD_HEADER + 3000)  # file 0 went
+    assert files_bytes(tmp_path, "*.obj") == SSD_HEADER + 3000  # and now file 1

@@ -67,7 +67,7 @@ def pd(tiny_model: Path, log_dir: Path) -> Iterator[PD]:
         kv_transfer_config=kv_config("kv_consumer"),
         args=("--enable-prompt-tokens-details",),
     )
-    proxy = ProxyServer(log_dir, [prefill.url, prefill2.url], [decode.url])
+    proxy = ProxyServer(log_dir, [prefill, prefill2], [decode])
     servers = (prefill, prefill2, decode, proxy)
     try:
         for s in servers:

@@ -62,7 +62,7 @@ def push(tiny_model: Path, log_dir: Path) -> Iterator[Push]:
     decode = VllmServer(
         log_dir, tiny_model, core=1, kv_transfer_config=kv_config("kv_consumer", accept_push=True)
     )
-    proxy = ProxyServer(log_dir, [prefill.url], [decode.url], "--layerwise-push")
+    proxy = ProxyServer(log_dir, [prefill], [decode], "--layerwise-push")
     servers = (prefill, decode, proxy)
     try:
         for s in servers:

@@ -74,7 +74,7 @@ def pair(
     prefill_tp, decode_tp = request.param
     prefill = engine(log_dir, tiny_model, "kv_producer", prefill_tp, 0)
     decode = engine(log_dir, tiny_model, "kv_consumer", decode_tp, 2)
-    proxy = ProxyServer(log_dir, [prefill.url], [decode.url])
+    proxy = ProxyServer(log_dir, [prefill], [decode])
     servers = (prefill, decode, proxy)
     try:
         for s in servers:

@@ -223,7 +223,7 @@ def run_demo(
         )
         for core, kv in ((0, prefill_kv), (1, decode_kv))
     )
-    proxy = ProxyServer(work, [prefill.url], [decode.url])
+    proxy = ProxyServer(work, [prefill], [decode])
     servers += [prefill, decode, proxy]
     batch = demo_prompts(prompts, min_tokens, max_prompt_tokens)
     burst = demo_prompts(prompts, min_tokens, max_prompt_tokens, seed=8)

@@ -5,6 +5,12 @@ Used by the vLLM integration tests and ``mooncake-connectors bench vllm-pd``; no
 stopping or killing it takes its engine-core and worker children along; its output goes to a log
 file (``tail()``). Engines are pinned to one CPU core each (``VLLM_CPU_OMP_THREADS_BIND``): two
 engines sharing a core starve each other.
+
+Ports: a vLLM engine needs its numbers before it starts, so they are reserved
+(:func:`~.ports.free_port`) and another process may take one before the engine binds it. A
+server whose log says so while it starts is started again on fresh numbers, up to
+``PORT_ATTEMPTS`` starts, then fails naming the holder. A server whose command line names
+another's URL (the proxy) is restarted when that one moved.
 """
 
 from __future__ import annotations
@@ -15,25 +21,21 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .ports import clashes, describe_clash, free_port, reported
 from .procs import CLI
 
 ENGINE_START_TIMEOUT = 300.0  # two engines starting at once on two shared cores are slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+PORT_ATTEMPTS = 3  # starts of a server whose reserved port was taken before it bound it
+FRESH_PORT = "<fresh port>"  # a VllmServer env or kv extra-config value: reserved per start
 
 
 def http_ok(url: str) -> bool:
@@ -50,11 +52,36 @@ class Server(abc.ABC):
 
     name = "server"
 
-    def __init__(self, log_dir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(
+        self, log_dir: Path, port: int | None = None, reserved: Sequence[str] = ()
+    ) -> None:
+        self.fixed_port = port  # the caller's number: never replaced
+        self.port = port or 0
+        self.reserved = dict.fromkeys(reserved, 0)  # more ports it binds, by name
+        self.reserve()
         self.log_path = log_dir / f"{self.name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.attempts = PORT_ATTEMPTS  # starts before a taken port fails wait_ready
+        self._launched: list[str] = []  # the command line of the running start
+        self._log_from = 0  # where this start's output begins in the log
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reserve(self) -> None:
+        """Fresh numbers for every port of this server but one the caller fixed."""
+        if not self.fixed_port:
+            self.port = free_port()
+        for name in self.reserved:
+            self.reserved[name] = free_port()
+
+    def ports(self) -> list[int]:
+        return [self.port, *self.reserved.values()]
+
+    def movable(self) -> bool:
+        """Whether a start on fresh numbers can help: some port is ours to choose."""
+        return not self.fixed_port or bool(self.reserved)
 
     @abc.abstractmethod
     def command(self) -> list[str]:
@@ -69,9 +96,11 @@ class Server(abc.ABC):
 
     def launch(self) -> Server:
         cpus = self.cpus()
+        self._launched = self.command()
         with open(self.log_path, "ab") as log:
+            self._log_from = log.tell()
             self.proc = subprocess.Popen(
-                self.command(),
+                self._launched,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
@@ -83,8 +112,26 @@ class Server(abc.ABC):
 
     def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Server:
         end = time.monotonic() + timeout
+        starts = 1
         while time.monotonic() < end:
-            if self.proc is not None and self.proc.poll() is not None:
+            if self._launched and self._launched != self.command():  # a server it names moved
+                self.stop()
+                self.launch()
+            exited = self.proc is not None and self.proc.poll() is not None
+            taken = clashes(self.output())  # read after the poll: an exited start's is whole
+            if taken:
+                if starts >= self.attempts or not self.movable():
+                    raise RuntimeError(
+                        f"{self.name}: a port it binds was taken ({starts} start(s)): "
+                        f"{describe_clash(self.ports(), taken)}\n{self.tail()}"
+                    )
+                starts += 1
+                self.stop()
+                self.reserve()
+                self.launch()
+                end = time.monotonic() + timeout  # each start gets the whole time
+                continue
+            if exited and self.proc is not None:
                 raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode} while starting:\n{self.tail()}"
                 )
@@ -92,6 +139,15 @@ class Server(abc.ABC):
                 return self
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.tail()}")
+
+    def output(self) -> str:
+        """What the running start wrote to the log so far."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self._log_from)
+                return fh.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def tail(self, lines: int = 60) -> str:
         try:
@@ -139,11 +195,15 @@ class VllmServer(Server):
         pin_all: bool = False,
         dtype: str = "bfloat16",
     ) -> None:
-        super().__init__(log_dir)
+        self.env = env or {}
+        self.kv_transfer_config = kv_transfer_config
+        extra = (kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+        fresh = [f"env:{k}" for k, v in self.env.items() if v == FRESH_PORT]
+        fresh += [f"kv:{k}" for k, v in extra.items() if v == FRESH_PORT]
+        super().__init__(log_dir, reserved=fresh)
         self.model = model
         self.core = core
         self.pin_all = pin_all
-        self.env = env or {}
         # Everything of the command line but the port, which is chosen at start.
         self.engine_args = [
             "--model",
@@ -161,12 +221,23 @@ class VllmServer(Server):
             "0",
             *args,
         ]
-        if kv_transfer_config is not None:
-            self.engine_args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+
+    def env_port(self, name: str) -> int:
+        """The number this start reserved for environment variable ``name``."""
+        return self.reserved[f"env:{name}"]
 
     def command(self) -> list[str]:
         api = "vllm.entrypoints.openai.api_server"
-        return [sys.executable, "-m", api, "--port", str(self.port), *self.engine_args]
+        cmd = [sys.executable, "-m", api, "--port", str(self.port), *self.engine_args]
+        kv = self.kv_transfer_config
+        if kv is not None:
+            extra = dict(kv.get("kv_connector_extra_config") or {})
+            for k in extra:
+                extra[k] = self.reserved.get(f"kv:{k}", extra[k])
+            if extra:
+                kv = {**kv, "kv_connector_extra_config": extra}
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        return cmd
 
     def cpus(self) -> set[int] | None:
         # vLLM binds only the worker's compute threads; pin_all adds the API server and the
@@ -183,6 +254,7 @@ class VllmServer(Server):
             PYTHONUNBUFFERED="1",
         )
         env.update(self.env)
+        env.update({k[4:]: str(n) for k, n in self.reserved.items() if k.startswith("env:")})
         return env
 
     def metric(self, name: str, label: str = "") -> float:
@@ -197,22 +269,28 @@ class VllmServer(Server):
 
 
 class ProxyServer(Server):
-    """``mooncake-connectors proxy`` as a user runs it."""
+    """``mooncake-connectors proxy`` as a user runs it; its engines as URLs, or as the
+    :class:`Server` objects, whose URLs it takes at each start (they may move while starting)."""
 
     name = "proxy"
 
-    def __init__(self, log_dir: Path, prefill: list[str], decode: list[str], *extra: str) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        prefill: Sequence[Server | str],
+        decode: Sequence[Server | str],
+        *extra: str,
+    ) -> None:
         super().__init__(log_dir)
-        self.prefill = prefill
-        self.decode = decode
+        self.prefill = list(prefill)
+        self.decode = list(decode)
         self.extra = list(extra)  # more proxy flags, e.g. --layerwise-push
 
     def command(self) -> list[str]:
         cmd = [*CLI, "proxy", "--port", str(self.port)]
-        for u in self.prefill:
-            cmd += ["--prefill", u]
-        for u in self.decode:
-            cmd += ["--decode", u]
+        for flag, engines in (("--prefill", self.prefill), ("--decode", self.decode)):
+            for e in engines:
+                cmd += [flag, e if isinstance(e, str) else e.url]
         return cmd + self.extra
 
 
@@ -333,8 +411,10 @@ class StoreMaster(Server):
     name = "store-master"
 
     def __init__(self, log_dir: Path, server_ttl: float = 1.0) -> None:
-        super().__init__(log_dir)  # ``port``: the HTTP /health and /metrics port
+        super().__init__(log_dir)  # ``port``: the HTTP /health and /metrics port, once reported
         self.server_ttl = server_ttl
+        # Reserved, not port 0: engines are configured with the address before it starts, so
+        # a taken port fails the start (naming the holder) rather than moving.
         self.rpc_port = free_port()
         self.address = f"127.0.0.1:{self.rpc_port}"
 
@@ -345,12 +425,27 @@ class StoreMaster(Server):
             "--port",
             str(self.rpc_port),
             "--metrics-port",
-            str(self.port),
+            "0",  # it binds one of its own choosing and reports it
             "--heartbeat-interval",
             "0.2",
             "--server-ttl",
             str(self.server_ttl),
         ]
+
+    def ports(self) -> list[int]:
+        return [self.rpc_port]
+
+    def movable(self) -> bool:
+        return False
+
+    def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT) -> Server:
+        proc = self.proc
+        try:
+            alive = (lambda: proc.poll() is None) if proc is not None else (lambda: False)
+            self.port = int(reported(self.output, "metrics_port", timeout, alive))
+        except RuntimeError:
+            pass  # it exited: the generic wait says why (a port taken, or its log)
+        return super().wait_ready(timeout)
 
 
 class StoreServerProcess(Server):

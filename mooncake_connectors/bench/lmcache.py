@@ -43,7 +43,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from ..store.client import StoreClient
 from ..store.config import ClientConfig, parse_size
-from .procs import CLI, _free_port, _stop, _wait_port, loadavg, start_mooncake_store
+from .procs import CLI, _stop, loadavg, start_master, start_mooncake_store
 
 TOKENS = 256  # LMCache's default chunk_size
 HEAD_SIZE = 128
@@ -63,10 +63,8 @@ class Stores:
             self.procs.append(subprocess.Popen(args, stdout=out, stderr=out, env=env))
             return self.procs[-1]
 
-        port = _free_port()
         cli = CLI
-        _wait_port(port, 60, quiet([*cli, "master", "--port", str(port)]))
-        self.ours = f"127.0.0.1:{port}"
+        self.ours = start_master([], self.procs, env)
         args = [*cli, "store-server", "--master", self.ours, "--memory", str(memory)]
         quiet(args)
         with StoreClient(ClientConfig(master=self.ours)) as probe:

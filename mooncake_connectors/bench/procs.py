@@ -1,4 +1,4 @@
-"""Processes the benches start: free ports, quiet children, Mooncake's store, the load average."""
+"""Processes the benches start: our master, quiet children, Mooncake's store, the load average."""
 
 from __future__ import annotations
 
@@ -8,17 +8,38 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any
+from typing import IO, Any
+
+from .ports import free_port, reported
 
 # The command line of this package, run by the interpreter running the benchmark.
 CLI = [sys.executable, "-m", "mooncake_connectors"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def output_of(log: IO[bytes]) -> str:
+    """What a child wrote so far to ``log`` (a file it shares with us), read without moving
+    the file's offset, which the child writes at."""
+    fd = log.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
+def start_master(
+    args: list[str], procs: list[subprocess.Popen[Any]], env: dict[str, str] | None = None
+) -> str:
+    """Our store master, binding a port of its own choosing (``--port 0``, so no other process
+    can take the port between choosing and binding): its address, as it reports it. It is
+    appended to ``procs`` as it starts (the caller stops it, also when this raises)."""
+    log = tempfile.TemporaryFile(prefix="mc-master-")  # noqa: SIM115 - the child's, closed below
+    try:
+        proc = subprocess.Popen(
+            [*CLI, "master", "--port", "0", *args], stdout=log, stderr=log, env=env
+        )
+        procs.append(proc)
+        return str(reported(lambda: output_of(log), "master", 30.0, lambda: proc.poll() is None))
+    finally:
+        log.close()  # the child keeps writing to its own descriptor
 
 
 def _wait_port(port: int, timeout: float, proc: subprocess.Popen[Any]) -> None:
@@ -89,7 +110,7 @@ def start_mooncake_store(memory: int, procs: list[subprocess.Popen[Any]]) -> tup
     when this raises). Returns (master address, metadata URL)."""
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # Mooncake binds 0.0.0.0 otherwise
     env = dict(os.environ)
-    rpc, metrics, http = _free_port(), _free_port(), _free_port()
+    rpc, metrics, http = free_port(), free_port(), free_port()
     binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
     master_proc = _quiet(mooncake_master_argv(binary, rpc, metrics, http), env)
     procs.append(master_proc)

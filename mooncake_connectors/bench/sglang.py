@@ -32,12 +32,11 @@ import torch
 from ..store.config import parse_size
 from .procs import (
     CLI,
-    _free_port,
     _quiet,
     _stop,
-    _wait_port,
     loadavg,
     machine,
+    start_master,
     start_mooncake_store,
 )
 
@@ -96,10 +95,7 @@ class _Stores:
     def __init__(self, memory: int, with_mooncake: bool, notes: list[str]) -> None:
         self.procs: list[subprocess.Popen[Any]] = []
         cli = CLI
-        port = _free_port()
-        self.procs.append(_quiet([*cli, "master", "--port", str(port)]))
-        _wait_port(port, 30, self.procs[-1])
-        self.ours = f"127.0.0.1:{port}"
+        self.ours = start_master([], self.procs)
         self.procs.append(
             _quiet([*cli, "store-server", "--master", self.ours, "--memory", str(memory)])
         )

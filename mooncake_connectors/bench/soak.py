@@ -28,24 +28,18 @@ import hashlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from typing import IO, Any
 
 from ..errors import MooncakeConnectorsError
-from .procs import CLI
+from .ports import reported
+from .procs import CLI, output_of
 
 TIMERS = ["--heartbeat-interval", "0.2", "--server-ttl", "1.5", "--read-lease-ttl", "1.0",
           "--put-lease-ttl", "3.0"]  # fmt: skip
 FAULTS = ("server", "flap", "master", "lossy")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proc_stats(pid: int) -> dict[str, int] | None:
@@ -72,6 +66,9 @@ class Role:
         self.proc = subprocess.Popen(
             [*CLI, *self.args], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -116,9 +113,11 @@ class Soak:
         from .faultlink import FaultLink
         from .fuzz import TargetProcess
 
-        port = _free_port()
-        self.master = Role("master", ["master", "--port", str(port), *TIMERS])
-        self._wait_port(port)
+        # Port 0: the master binds a port of its own choosing; restarts reuse the one it got.
+        self.master = master = Role("master", ["master", "--port", "0", *TIMERS])
+        got = reported(lambda: output_of(master.log), "master", 30.0, master.alive)
+        port = int(str(got).rsplit(":", 1)[1])
+        master.args = ["master", "--port", str(port), *TIMERS]
         self.link = FaultLink(("127.0.0.1", port), seed=self.rng.randrange(1 << 30))
         self.servers = [
             Role(f"server{i}", ["store-server", "--master", self.link.address, "--memory", "48M"])
@@ -135,18 +134,6 @@ class Soak:
         from .fuzz_frames import TePort
 
         self.te_port = TePort(self.te.info)
-
-    @staticmethod
-    def _wait_port(port: int) -> None:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"nothing listens on {port}") from None
-                time.sleep(0.1)
 
     def close(self) -> None:
         for closer in (self.client.close, self.te_port.close, self.te.close, self.link.close):

@@ -30,11 +30,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..store.config import parse_size
-from .procs import _free_port as _free_port  # re-exported: benches import them from here too
-from .procs import _quiet as _quiet
+from .procs import _quiet as _quiet  # re-exported: benches import them from here too
 from .procs import _stop as _stop
-from .procs import _wait_port as _wait_port
-from .procs import loadavg
+from .procs import loadavg, start_master
 from .procs import start_mooncake_store as start_mooncake_store
 
 log = logging.getLogger(__name__)
@@ -72,11 +70,8 @@ class _Ours(_System):
         self.name = name
         transports = OUR_VARIANTS[name]
         self.procs = []
-        port = _free_port()
         cli = [sys.executable, "-m", "mooncake_connectors"]
-        self.procs.append(_quiet([*cli, "master", "--port", str(port)]))
-        _wait_port(port, 30, self.procs[0])
-        master = f"127.0.0.1:{port}"
+        master = start_master([], self.procs)
         self.procs.append(
             _quiet(
                 [

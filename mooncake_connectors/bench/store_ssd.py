@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .procs import CLI, _free_port, _quiet, _stop, _wait_port, machine
+from .procs import CLI, _quiet, _stop, machine, start_master
 
 _CHUNK = 4
 
@@ -62,13 +63,10 @@ def run_ssd_benchmark(
     cli = CLI
     base = Path(ssd_dir) if ssd_dir else Path(tempfile.mkdtemp(prefix="mc-ssd-bench-"))
     directory = base / f"ssd-{os.getpid()}"
-    procs = []
+    procs: list[subprocess.Popen[Any]] = []
     results: dict[str, dict[str, dict[str, float]]] = {}
     try:
-        port = _free_port()
-        procs.append(_quiet([*cli, "master", "--port", str(port), "--promote-hits", "0"]))
-        _wait_port(port, 30, procs[0])
-        master = f"127.0.0.1:{port}"
+        master = start_master(["--promote-hits", "0"], procs)
         ssd_size = 4 * memory
         ssd = ["--ssd-dir", str(directory), "--ssd-size", str(ssd_size)]
         procs.append(

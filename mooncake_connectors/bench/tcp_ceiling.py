@@ -17,7 +17,8 @@ import subprocess
 import time
 from typing import Any
 
-from .procs import _free_port, wait_or_kill
+from .ports import free_port
+from .procs import wait_or_kill
 
 IPERF3 = "iperf3"
 MAX_LENGTH = 1 << 20  # iperf3's largest TCP write
@@ -37,7 +38,7 @@ def loopback_gb_s(streams: int, seconds: int = 1, length: int = 1 << 20) -> floa
         raise ValueError(f"iperf3 writes 1 byte to {MAX_LENGTH} bytes at a time, not {length}")
     if not 1 <= streams <= 128:
         raise ValueError(f"iperf3 runs 1 to 128 parallel streams, not {streams}")
-    port = _free_port()
+    port = free_port()
     try:
         server = subprocess.Popen(
             [IPERF3, "-s", "-B", "127.0.0.1", "-p", str(port)],

@@ -58,7 +58,14 @@ from pathlib import Path
 from typing import Any
 
 from ..pd import params as pdp
-from .launch import VllmServer, completion, free_port, random_prompt, stream_completion, token_ids
+from .launch import (
+    FRESH_PORT,
+    VllmServer,
+    completion,
+    random_prompt,
+    stream_completion,
+    token_ids,
+)
 from .pd_stats import TransferLog, tail
 from .procs import loadavg
 
@@ -181,7 +188,6 @@ class _Theirs:
 
     def __init__(self, work: Path) -> None:
         self.decode_leg_ms: float | None = None
-        self.bootstrap = free_port()
         self.patch_dir = work / "mooncake-cpu-patch"
         self.patch_dir.mkdir(parents=True, exist_ok=True)
         (self.patch_dir / "sitecustomize.py").write_text(_PATCH)
@@ -198,19 +204,21 @@ class _Theirs:
         return {
             "PYTHONPATH": str(self.patch_dir),
             "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap),
+            # the prefill's bootstrap server binds it (requests name it: _params)
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": FRESH_PORT,
         }
 
     def stats_side(self, prefill: VllmServer, decode: VllmServer) -> VllmServer:
         return prefill  # Mooncake pushes from prefill and measures there
 
-    def _params(self, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _params(self, n: int, prefill: VllmServer) -> tuple[dict[str, Any], dict[str, Any]]:
+        bootstrap = prefill.env_port("VLLM_MOONCAKE_BOOTSTRAP_PORT")
         tid = f"bench-{n}-{time.monotonic_ns()}"
         leg_params = {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
         params = {
             "do_remote_prefill": True,
             "remote_engine_id": "bench-kv_producer",
-            "remote_bootstrap_addr": f"http://127.0.0.1:{self.bootstrap}",
+            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}",
             "transfer_id": tid,
         }
         return leg_params, params
@@ -218,10 +226,10 @@ class _Theirs:
     def run(
         self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
     ) -> tuple[float, list[int]]:
-        leg_params, params = self._params(n)
+        leg_params, params = self._params(n, prefill)
         out = _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
         if n >= 0:  # not a warm-up: the same prompt again, legs one after the other
-            leg_params, params = self._params(n)
+            leg_params, params = self._params(n, prefill)
             completion(prefill.url, prompt, 1, leg_params)  # the prefill holds the blocks
             self.decode_leg_ms, _ = _stream_decode(
                 decode, prompt, max_tokens, params, time.perf_counter()
@@ -240,15 +248,14 @@ class _Nixl:
 
     def __init__(self) -> None:
         self.decode_leg_ms: float | None = None
-        # each engine its own side-channel port (vLLM's default, 5600, would clash)
-        self.side_channel = {"kv_producer": free_port(), "kv_consumer": free_port()}
 
     def kv(self, role: str) -> dict[str, Any]:
         # kv_both on both engines: the role of each request comes from its parameters
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
     def env(self, role: str) -> dict[str, str]:
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel[role])}
+        # each engine its own side-channel port (vLLM's default, 5600, would clash)
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": FRESH_PORT}
 
     def stats_side(self, prefill: VllmServer, decode: VllmServer) -> VllmServer:
         return decode  # the decode reads and measures

@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from .launch import (
+    FRESH_PORT,
     StoreMaster,
     StoreServerProcess,
     VllmServer,
     completion,
     completion_body,
-    free_port,
     post_stream,
     random_prompt,
     token_ids,
@@ -177,7 +177,7 @@ class _Theirs:
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             # each engine its own lookup socket (the default path is shared per host)
-            "kv_connector_extra_config": {"lookup_rpc_port": free_port()},
+            "kv_connector_extra_config": {"lookup_rpc_port": FRESH_PORT},
         }
 
     def env(self) -> dict[str, str]:

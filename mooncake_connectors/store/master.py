@@ -220,10 +220,13 @@ class Master:
             if conn is None or conn.closed:
                 keep.add(rec)  # delivered once it reconnects (its next heartbeat)
                 continue
+            # Drops before spills: a spill into a full SSD comes with the drop that makes its
+            # room, and the server, which works through them in order, refuses a write past
+            # its budget (the spill would fail and its object be dropped as well).
             orders: tuple[tuple[list[Any], Callable[[Any], Msg]], ...] = (
                 (rec.ops, Hold),
-                (rec.spills, Spill),
                 (rec.dropfiles, DropFiles),
+                (rec.spills, Spill),
                 (rec.promotes, Promote),
             )
             for items, message in orders:

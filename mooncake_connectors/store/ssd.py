@@ -184,4 +184,14 @@ class SsdStore:
 
     def disk_bytes(self) -> int:
         """Bytes the files take on disk now (what tests check against the budget)."""
-        return sum(p.stat().st_size for p in self.dir.glob(f"*{_SUFFIX}"))
+        return files_bytes(self.dir, f"*{_SUFFIX}")
+
+
+def files_bytes(directory: Path, pattern: str = "*") -> int:
+    """Bytes of the files in ``directory`` matching ``pattern``, read while the server may
+    be writing and deleting them: a file gone between the listing and its ``stat`` counts 0."""
+    total = 0
+    for path in directory.glob(pattern):
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total
