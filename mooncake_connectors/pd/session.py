@@ -27,6 +27,7 @@ from typing import Any
 
 from ..config import for_gpu
 from ..errors import ConfigError, LoadRefused, MooncakeConnectorsError, TransferError
+from ..netguard import RateLimitedLog
 from ..transfer_core import TransferEngine
 from ..types import Access, TransferStatus
 from .curve import CurveIdentity
@@ -92,6 +93,7 @@ class TransferSession(LayerPush):
         self._done: dict[str, tuple[float, int, set[int]]] = {}
         self._early: dict[str, tuple[float, int, set[int]]] = {}  # the same, not held (yet)
         self.dropped_done = 0  # Done ids refused: not held and no room among the early ones
+        self._foreign = RateLimitedLog(log)  # anyone can send those: one line now and then
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
         self.stats = stats
@@ -176,7 +178,7 @@ class TransferSession(LayerPush):
     # -- prefill side ------------------------------------------------------------------------
     def _on_done(self, msg: Done) -> None:
         if msg.engine_id != self.engine_id:
-            log.warning(
+            self._foreign.warning(
                 "Done for engine %s reached engine %s; ignored", msg.engine_id, self.engine_id
             )
             return
