@@ -100,11 +100,11 @@ def test_forged_future_holder_records_are_not_live_and_do_not_stall_a_fetch(
     assert same(src, tmp_path / "d") and stats.refusals == 0
 
 
-def test_holders_that_never_answer_get_at_most_half_the_workers(
+def test_holders_that_never_answer_cost_one_grant_timeout_in_all(
     tmp_path: Path, cfg: EngineConfig, nodes: list[P2PStore]
 ) -> None:
-    """Records that look alive (renewed now) but name nobody: each costs a grant timeout, so
-    they must not take every worker from the one holder that answers."""
+    """Records that look alive (renewed now) but name nobody: they are asked all at once, and
+    only holders that answered get chunk requests."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "w.bin").write_bytes(np.random.default_rng(4).bytes(8 << 20))
@@ -118,18 +118,19 @@ def test_holders_that_never_answer_get_at_most_half_the_workers(
     stats = node(nodes, cfg).fetch("h", tmp_path / "d", timeout=120)
     took = time.monotonic() - t0
     assert same(src, tmp_path / "d")
-    # 100 ghosts x 2 s grant timeout / 8 workers = 25 s if they took every worker
+    # 100 ghosts x 2 s grant timeout / 8 workers = 25 s if each were tried in turn
     assert took < 20, f"{took:.1f} s, {stats.refusals} refusals"
 
 
 # -- M3: the grant server's message-size cap ----------------------------------------------------
 
 _SENDER = """
-import sys, zmq
+import sys, time, zmq
 sock = zmq.Context.instance().socket(zmq.DEALER)
-sock.setsockopt(zmq.LINGER, 3000)
+sock.setsockopt(zmq.LINGER, 0)
 sock.connect(sys.argv[1])
 sock.send_multipart([b"", b"", b"x" * (200 << 20)])
+time.sleep(3)  # the whole message leaves (or the server hangs up) before we go
 sock.close()
 """
 
@@ -170,4 +171,4 @@ def test_a_message_over_the_cap_does_not_reach_the_grant_server(
         stop.set()
         sampler.join(5)
     grown = peak[0] - base
-    assert grown < 64 << 20, f"the publisher grew {grown >> 20} MiB for a 200 MiB message"
+    assert grown < 32 << 20, f"the publisher grew {grown >> 20} MiB for a 200 MiB message"
