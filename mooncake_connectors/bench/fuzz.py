@@ -78,7 +78,11 @@ class TargetProcess:
         """Tracebacks and WARNING lines the target logged so far."""
         self.log.seek(0)
         text = self.log.read().decode("utf-8", "replace")
-        return {"tracebacks": text.count("Traceback ("), "warnings": text.count("WARNING")}
+        lines = text.splitlines()
+        return {
+            "tracebacks": sum(line.startswith("Traceback (") for line in lines),
+            "warnings": sum(line.startswith("WARNING ") for line in lines),
+        }
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

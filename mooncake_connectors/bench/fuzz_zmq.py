@@ -88,7 +88,7 @@ class SidePort(ZmqPort):
 
         if rng.random() < 0.2:  # a flood: Done for fresh ids, sometimes more than one may name
             n = MAX_DONE_IDS if rng.random() < 0.9 else 20 * MAX_DONE_IDS
-            ids = [f"flood-{next(self._ids)}" for _ in range(n)]
+            ids = [f"flood-{next(self._ids):012d}" for _ in range(n)]  # one length: replays
             return encode(Done("fuzz", ids, 0, 1))
         tag = rng.choice(["layout", "done", "push_target", "push_done", "layout_reply", "x"])
         fields = {str(hostile_value(rng))[:40]: hostile_value(rng) for _ in range(rng.randrange(5))}
