@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mooncake_connectors.bench.fuzz import RSS_BUDGET, TargetProcess, send_frames
 from mooncake_connectors.bench.fuzz_frames import PORTS, Port, TePort
+from mooncake_connectors.pd.session import _EARLY_DONE
 from mooncake_connectors.transfer_core.transports import wire
 
 EXAMPLES = 90  # connections per port, up to 47 frames each: about two thousand frames per port
@@ -42,6 +43,8 @@ def healthy(t: TargetProcess, before: dict[str, int]) -> None:
     assert after is not None, "the target process died"
     assert after["vmhwm"] - before["vmhwm"] < RSS_BUDGET
     assert after.get("canary_ok", True) is True, "a write landed outside the registered region"
+    # the side channel's session keeps a bounded number of Done ids, whatever the flood
+    assert after.get("side_state", 0) <= _EARLY_DONE
 
 
 @pytest.mark.parametrize(("kind", "cls"), CASES, ids=[c.name for _, c in CASES])

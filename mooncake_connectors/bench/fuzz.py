@@ -1,7 +1,8 @@
 """``mooncake-connectors fuzz``: hostile frames at every listening port, each in its own process.
 
 For each target (TE tcp data port and its p2p metadata endpoint, store master, a store server's
-load endpoint, the metadata HTTP server, the PD side channel, the PD proxy) a real process
+load endpoint, the metadata HTTP server, the PD side channel of a real transfer session, the P2P
+grant server, the PD proxy) a real process
 serves on 127.0.0.1 and the harness sends it ``frames`` frames per port over short-lived
 connections (structured frames with hostile fields, truncated frames, raw random bytes), with a
 well-behaved client's exchange every ``probe_every`` frames. A port passes when its process is
@@ -19,11 +20,13 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
-from .fuzz_frames import PORTS, Port, SidePort, drain
+from .fuzz_frames import PORTS, Port, drain
+from .fuzz_zmq import ZmqPort
 from .procs import wait_or_kill
 
 RSS_BUDGET = 256 << 20  # far below any hostile length tried (>= 1 GiB), far above normal growth
@@ -31,11 +34,13 @@ RSS_BUDGET = 256 << 20  # far below any hostile length tried (>= 1 GiB), far abo
 
 class TargetProcess:
     def __init__(self, kind: str, timeout: float = 60.0) -> None:
+        # its log, to count tracebacks and warnings after the run (a temp file: never blocks it)
+        self.log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mooncake_connectors.bench.fuzz_target", kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
             start_new_session=True,
         )
@@ -69,12 +74,23 @@ class TargetProcess:
         except (OSError, RuntimeError, TimeoutError):
             return None
 
+    def log_counts(self) -> dict[str, int]:
+        """Tracebacks and WARNING lines the target logged so far."""
+        self.log.seek(0)
+        text = self.log.read().decode("utf-8", "replace")
+        lines = text.splitlines()
+        return {
+            "tracebacks": sum(line.startswith("Traceback (") for line in lines),
+            "warnings": sum(line.startswith("WARNING ") for line in lines),
+        }
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.close()
         wait_or_kill(self.proc)
+        self.log.close()
 
 
 def _send_burst(port: Port, rng: random.Random, budget: int) -> int:
@@ -86,7 +102,7 @@ def _send_burst(port: Port, rng: random.Random, budget: int) -> int:
 def send_frames(port: Port, frames: list[bytes], rng: random.Random) -> int:
     """Send ``frames`` on one connection (the frames are drawn first, so what is drawn never
     depends on how the server answered: hypothesis replays it exactly)."""
-    if isinstance(port, SidePort) and rng.random() < 0.8:
+    if isinstance(port, ZmqPort) and rng.random() < 0.8:
         for f in frames:
             port.send_message(rng, f)
         return len(frames)
@@ -170,10 +186,16 @@ def fuzz_target(
                     "fds_after": (after or {}).get("fds"),
                     "canary_ok": (after or {}).get("canary_ok"),
                     "region_bytes_changed": (after or {}).get("region_bytes_changed"),
+                    # side: Done ids the session keeps, and those it refused
+                    "side_state": (after or {}).get("side_state"),
+                    "side_dropped_done": (after or {}).get("side_dropped_done"),
                     "failures": failures,
                     "ok": ok,
                 }
             )
+        counts = target.log_counts()  # for the whole target: its ports share one log
+        for r in results:
+            r.update(counts)
     finally:
         target.close()
     return results

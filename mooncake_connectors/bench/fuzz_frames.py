@@ -10,7 +10,6 @@ hypothesis-drawn fields through :meth:`Port.structured`.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import random
 import socket
@@ -342,65 +341,8 @@ class ProxyPort(HttpPort):
         return "/health"
 
 
-class SidePort(Port):
-    """The PD side channel (zmq ROUTER): well-framed zmq messages with hostile msgpack bodies,
-    and raw bytes in place of the ZMTP greeting."""
-
-    name = "side"
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        super().__init__(info)
-        import zmq
-
-        self.zmq = zmq
-        self.ctx = zmq.Context()
-        from ..pd.side_channel import SideChannelClient
-
-        self.client = SideChannelClient(timeout=10.0)
-        self._dealer: Any = None
-
-    def address(self) -> tuple[str, int]:
-        return addr_port(self.info["side"].removeprefix("tcp://"))
-
-    def structured(self, rng: random.Random) -> bytes:
-        tag = rng.choice(["layout", "done", "push_target", "push_done", "layout_reply", "x"])
-        fields = {str(hostile_value(rng))[:40]: hostile_value(rng) for _ in range(rng.randrange(5))}
-        fields["type"] = tag
-        try:
-            return msgspec.msgpack.encode(fields)
-        except (OverflowError, TypeError):
-            return rng.randbytes(32)
-
-    def send_message(self, rng: random.Random, payload: bytes) -> None:
-        """One zmq message (sometimes several frames) through a DEALER socket."""
-        zmq = self.zmq
-        if self._dealer is None or rng.random() < 0.01:
-            if self._dealer is not None:
-                self._dealer.close(linger=0)
-            self._dealer = self.ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.SNDHWM, 1000)
-            self._dealer.connect(self.info["side"])
-        parts = [payload] if rng.random() < 0.9 else [payload, payload]
-        with contextlib.suppress(zmq.Again):
-            self._dealer.send_multipart(parts, zmq.NOBLOCK)
-        while True:  # answers to well-formed layout requests: read and drop
-            try:
-                self._dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-
-    def probe(self) -> None:
-        layout = self.client.fetch_layout(self.info["side"])
-        if layout.engine_id != "fuzz":
-            raise AssertionError(f"side probe: {layout}")
-
-    def close(self) -> None:
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-        self.client.close()
-        self.ctx.term()
-
+# The zmq ports build on Port, so they are imported once it exists.
+from .fuzz_zmq import GrantPort, SidePort  # noqa: E402
 
 PORTS: dict[str, tuple[str, list[type[Port]]]] = {
     # target process kind -> the ports it serves
@@ -409,5 +351,6 @@ PORTS: dict[str, tuple[str, list[type[Port]]]] = {
     "load": ("load", [LoadPort]),
     "metadata": ("metadata", [HttpPort]),
     "side": ("side", [SidePort]),
+    "grant": ("grant", [GrantPort]),
     "proxy": ("proxy", [ProxyPort]),
 }

@@ -12,7 +12,9 @@ write outside the region would change them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -40,12 +42,33 @@ def memory() -> dict[str, int]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _SideSettings:
+    host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    transfer_timeout: float = 5.0
+    handshake_timeout: float = 5.0
+    kv_lease: float = 120.0
+    accept_push: bool = False
+
+    def engine_config(self) -> Any:
+        raise NotImplementedError  # the fuzz session registers no KV
+
+
+class _NoStats:
+    def record_load(self, seconds: float, nbytes: int, nrequests: int) -> None: ...
+    def record_push(self, tail: float, nbytes: int, nrequests: int, overlapped: int) -> None: ...
+    def record_failed_load(self) -> None: ...
+    def record_expired_lease(self) -> None: ...
+
+
 class Target:
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.info: dict[str, Any] = {"kind": kind, "token": TOKEN, "pid": os.getpid()}
         self._keep: list[Any] = []
         self._arena: np.ndarray | None = None
+        self._session: Any = None
         getattr(self, f"_start_{kind}")()
 
     def _start_te(self) -> None:
@@ -113,24 +136,36 @@ class Target:
 
     def _start_side(self) -> None:
         from ..pd.messages import LayerLayout, WorkerLayout
+        from ..pd.session import TransferSession
         from ..pd.side_channel import SideChannelServer
 
-        layout: list[WorkerLayout] = []
-        srv = SideChannelServer("127.0.0.1", 0, lambda: layout[0], lambda done: None)
-        layout.append(
-            WorkerLayout(
-                engine_id="fuzz",
-                tp_rank=0,
-                tp_size=1,
-                segment="127.0.0.1:1",
-                side_channel=srv.endpoint,
-                block_size=16,
-                dtype="bfloat16",
-                layers=[LayerLayout("l0", 4096, 256, 256, 8)],
-            )
+        # A real prefill session, engine-free: the side channel's Done notices reach its state.
+        session = TransferSession(
+            _SideSettings(), "fuzz", block_size=16, tp_size=1, num_blocks=8, stats=_NoStats()
         )
-        self._keep.append(srv)
+        srv = SideChannelServer("127.0.0.1", 0, session._get_layout, session._on_done)
+        session.layout = WorkerLayout(
+            engine_id="fuzz",
+            tp_rank=0,
+            tp_size=1,
+            segment="127.0.0.1:1",
+            side_channel=srv.endpoint,
+            block_size=16,
+            dtype="bfloat16",
+            layers=[LayerLayout("l0", 4096, 256, 256, 8)],
+        )
+        self._keep += [srv, session]
+        self._session = session
         self.info["side"] = srv.endpoint
+
+    def _start_grant(self) -> None:
+        from ..config import EngineConfig
+        from ..p2p import P2PStore
+
+        store = P2PStore(EngineConfig(host="127.0.0.1", metadata="memory://fuzz"))
+        store.publish("fuzz", {"w": np.arange(1 << 16, dtype=np.uint8)}, chunk_size=4096)
+        self._keep.append(store)
+        self.info["grant"] = store.holder.endpoint
 
     def _start_proxy(self) -> None:
         from ..conductor.listener import GuardedListener
@@ -156,6 +191,11 @@ class Target:
 
     def check(self) -> dict[str, Any]:
         out: dict[str, Any] = {"alive_threads": threading.active_count(), **memory()}
+        if self._session is not None:  # what a Done flood left: bounded, not one entry per id
+            s = self._session
+            s.get_finished()  # the engine adapter calls it every step
+            out["side_state"] = len(s._done) + len(s._early)
+            out["side_dropped_done"] = s.dropped_done
         if self._arena is not None:
             a = self._arena
             out["canary_ok"] = bool((a[:CANARY] == 0xA5).all() and (a[-CANARY:] == 0xA5).all())
@@ -165,6 +205,8 @@ class Target:
 
 
 def main() -> None:
+    # on stderr, which the harness keeps to count tracebacks and warnings
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     target = Target(sys.argv[1])
     print(json.dumps(target.info), flush=True)
     for line in sys.stdin:

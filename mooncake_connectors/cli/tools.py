@@ -202,7 +202,7 @@ def fuzz(
     frames: Annotated[int, typer.Option(min=1, help="Frames sent to each port.")] = 100_000,
     port: Annotated[
         list[str] | None,
-        typer.Option(help="Targets to fuzz (te, master, load, metadata, side, proxy); all."),
+        typer.Option(help="Targets to fuzz (te, master, load, metadata, side, grant, proxy); all."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the frame generator (a run replays).")] = 0,
     output: Output = None,

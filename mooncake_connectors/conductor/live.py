@@ -41,6 +41,7 @@ from .store_probe import StoreProbe
 from .types import Placement, Rejection, ScheduleRequest
 
 log = logging.getLogger(__name__)
+_MAX_EVENTS = 64 << 20  # bytes of one KV-event frame (batches of block hashes: far less)
 
 
 class CacheSource(enum.Enum):
@@ -343,6 +344,7 @@ class KVEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_EVENTS)  # a publisher announcing more is dropped
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:

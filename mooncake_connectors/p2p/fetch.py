@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import queue
 import random
 import threading
 import time
@@ -23,7 +24,7 @@ from ..transfer_core.memory import Region
 from .manifest import FetchFailed, Manifest, digest
 from .records import Catalog, bitmap, merge
 from .schedule import PeerView, pick
-from .serve import Grant, GrantClient, Holder, Served
+from .serve import Answer, Grant, GrantClient, Have, Holder, Served
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class Fetcher:
         self._clients_lock = threading.Lock()
         self.served: Served | None = None
         self._idle = threading.Event()  # never set: a bounded pause while nobody offers chunks
+        self._answers: queue.SimpleQueue[tuple[str, Answer | None]] = queue.SimpleQueue()
+        self._probing: set[str] = set()  # holders asked what they have, no answer taken yet
 
     # -- verification of what is already there (resume) --------------------------------------
     def verify_existing(self, files: set[int]) -> bytearray:
@@ -123,6 +126,7 @@ class Fetcher:
         needed = {i for i in range(len(self.m.chunks)) if not have[i // 8] >> (i % 8) & 1}
         self.served = served = self.holder.add(self.m, self.regions, have, share=self.share)
         inflight: dict[cf.Future[_Outcome], tuple[int, str]] = {}
+        probe: cf.Future[None] | None = None
         next_look = 0.0
         self._report()
         with cf.ThreadPoolExecutor(self.parallel, thread_name_prefix="mc-p2p-fetch") as pool:
@@ -139,14 +143,22 @@ class Fetcher:
                     if now >= next_look:
                         self._look()
                         next_look = now + self.refresh
+                    self._heard(now)
+                    if probe is None or probe.done():
+                        untried = [
+                            p
+                            for p in self.peers.values()
+                            if not p.answered and p.holder not in self._probing and p.usable(now)
+                        ]
+                        if untried:
+                            self._probing.update(p.holder for p in untried)
+                            probe = pool.submit(self._probe, untried)
                     free = [c for c in needed if all(c != v[0] for v in inflight.values())]
+                    # Only holders that answered get chunk requests (each may cost a timeout).
+                    proven = {h: p for h, p in self.peers.items() if p.answered}
+                    busy = len(inflight) + (probe is not None and not probe.done())
                     for c, h in pick(
-                        free,
-                        self.peers,
-                        self.k,
-                        rng=self.rng,
-                        limit=self.parallel - len(inflight),
-                        now=now,
+                        free, proven, self.k, rng=self.rng, limit=self.parallel - busy, now=now
                     ):
                         self.peers[h].inflight += 1
                         inflight[pool.submit(self._get, c, self.peers[h])] = (c, h)
@@ -168,11 +180,45 @@ class Fetcher:
         self._close_clients()
         return self.stats
 
+    def _probe(self, peers: list[PeerView]) -> None:
+        """Worker thread: ask every holder never heard from what it has, all at once, so the
+        ones that never answer (dead, or records naming nobody) cost one grant timeout in all."""
+        by_endpoint: dict[str, list[str]] = {}
+        for p in peers:
+            by_endpoint.setdefault(p.endpoint, []).append(p.holder)
+
+        def heard(endpoint: str, ans: Answer | None) -> None:
+            for h in by_endpoint[endpoint]:
+                self._answers.put((h, ans))
+
+        self._client().ask_all(list(by_endpoint), Have(self.m.name, self.m.version), heard)
+
+    def _heard(self, now: float) -> None:
+        """Main thread: take the probe answers that came in."""
+        while True:
+            try:
+                holder, ans = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            self._probing.discard(holder)
+            p = self.peers.get(holder)
+            if p is None:
+                continue
+            if ans is None or ans.status == "refused":
+                self.stats.refusals += 1
+                log.info("holder %s did not answer; skipping it", holder)
+                p.dead_until = now + 3600.0
+                p.renewed_at_death = p.renewed
+            else:
+                p.answered = True
+                p.have = merge(p.have, ans.have)
+
     def _settle(self, o: _Outcome, needed: set[int]) -> bool:
         p = self.peers.get(o.holder)
         now = time.monotonic()
         if p is not None:
             p.inflight -= 1
+            p.answered = p.answered or o.status != "dead"
             if o.have:
                 p.have = merge(p.have, o.have)
         if o.status == "ok":

@@ -88,9 +88,9 @@ def check_manifest(m: Manifest) -> None:
     check_name(m.name)
     if m.chunk_size <= 0 or m.version < 1:
         raise P2PError(f"manifest of {m.name!r}: bad chunk size or version")
+    check_paths(f.path for f in m.files)
     total = count = 0
     for i, f in enumerate(m.files):
-        safe_relpath(f.path)
         if f.size < 0 or f.first_chunk != count or m.chunks_of(i).stop > len(m.chunks):
             raise P2PError(f"manifest of {m.name!r}: bad entry for {f.path!r}")
         off = 0
@@ -122,6 +122,42 @@ def safe_relpath(path: str) -> str:
     if not path or p.is_absolute() or ".." in p.parts or "\\" in path or "\x00" in path:
         raise P2PError(f"unsafe path {path!r} in manifest")
     return path
+
+
+_NAME_MAX = 255  # bytes of one path component (Linux NAME_MAX)
+_PATH_MAX = 4095  # bytes of a whole path under the destination
+
+
+def check_paths(paths: Iterable[str]) -> None:
+    """Every path is a canonical relative file path a fetch can create: no empty or ``.``
+    component (so ``dir/``, ``a//b``, ``.`` and ``./a`` are refused and no two spellings name
+    one file), components the filesystem takes, none of ours (the fetch's marker, temp and
+    lock files), no path twice, and no file where another path needs a directory."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for path in paths:
+        safe_relpath(path)
+        parts = path.split("/")
+        why = ""
+        if any(not c or c == "." for c in parts):
+            why = "is not a canonical relative path (an empty or '.' component)"
+        elif any(len(c.encode("utf-8", "surrogatepass")) > _NAME_MAX for c in parts):
+            why = f"has a component longer than {_NAME_MAX} bytes"
+        elif len(path.encode("utf-8", "surrogatepass")) > _PATH_MAX:
+            why = f"is longer than {_PATH_MAX} bytes"
+        elif any(c.startswith(OWN_PREFIX) for c in parts):
+            why = f"uses the name {OWN_PREFIX}*, kept for the fetch's own files"
+        elif path in files:
+            why = "appears twice"
+        elif path in dirs:
+            why = "is a file and a directory of another path"
+        prefixes = ["/".join(parts[:n]) for n in range(1, len(parts))]
+        if not why and any(d in files for d in prefixes):
+            why = "lies under a path that is a file"
+        if why:
+            raise P2PError(f"manifest path {path[:300]!r} {why}")
+        files.add(path)
+        dirs.update(prefixes)
 
 
 def digest(data: memoryview | bytes) -> str:
@@ -182,6 +218,7 @@ __all__ = [
     "build_manifest",
     "check_manifest",
     "check_name",
+    "check_paths",
     "decode_manifest",
     "digest",
     "encode_manifest",

@@ -8,7 +8,8 @@ Keys (the backend adds its own prefix):
 
 A holder rewrites its record when it gets a chunk and at least every ``lease / 3`` seconds; a
 record older than its lease is a dead holder's and readers skip it (and delete it). Lease ages
-are measured on wall clocks, so hosts must agree on the time to within a fraction of the lease.
+are measured on wall clocks, so hosts must agree on the time to within a fraction of the lease
+(and within ``CLOCK_SKEW``: a record renewed further in the future is invalid).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from ..transfer_core.metadata import MetadataBackend
 from .manifest import Manifest, ObjectNotFound, check_name, decode_manifest, encode_manifest
 
 ROOT = "p2p/"
+# A record renewed later than now plus this is invalid (a clock that far ahead, or a forgery
+# that would never expire): skipped and deleted like an expired one.
+CLOCK_SKEW = 5.0
+MAX_LEASE = 3600.0  # s; a longer claimed lease counts as this long
 
 
 class HolderRecord(msgspec.Struct, frozen=True):
@@ -138,7 +143,8 @@ class Catalog:
                 rec = _rec_dec.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # not ours to judge further; it names no usable holder
-            if now - rec.renewed > rec.lease:
+            age = now - rec.renewed
+            if not -CLOCK_SKEW <= age <= min(rec.lease, MAX_LEASE):  # NaN fails too
                 with contextlib.suppress(MetadataError):
                     self.md.delete(key)
                 continue

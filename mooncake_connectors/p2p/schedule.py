@@ -28,6 +28,7 @@ class PeerView:
     capped: bool = False  # it served us its per-peer cap
     renewed: float = 0.0
     renewed_at_death: float = 0.0  # its record's renewal when it last failed us
+    answered: bool = False  # it answered a grant request once (a record alone proves nothing)
 
     def usable(self, now: float) -> bool:
         return not self.capped and now >= self.busy_until and now >= self.dead_until

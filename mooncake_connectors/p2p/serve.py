@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -30,6 +31,11 @@ from .records import Catalog, HolderRecord, set_bit
 from .schedule import ServeLedger, TokenBucket
 
 log = logging.getLogger(__name__)
+# libzmq allocates a message's declared size when its header arrives, before any MAC check: a
+# peer announcing more than this is disconnected instead. A grant request is a name and a few
+# integers; an answer carries the holder's chunk bitmap (1 bit a chunk).
+MAX_REQUEST = 64 << 10
+MAX_ANSWER = 16 << 20
 
 
 class Grant(msgspec.Struct, frozen=True, tag="grant"):
@@ -103,6 +109,7 @@ class Holder:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST)
         host = engine.config.host
         bind = f"[{host}]" if ":" in host else host
         if ":" in host:
@@ -269,16 +276,27 @@ class GrantClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
 
-    def ask(self, endpoint: str, req: Grant | Have) -> Answer | None:
-        """The holder's answer, or None when it did not answer in time (dead, or gone)."""
+    def _sock(self, endpoint: str) -> zmq.Socket[bytes]:
         sock = self._socks.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER)
             if endpoint.startswith("["):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(f"tcp://{endpoint}")
             self._socks[endpoint] = sock
+        return sock
+
+    def _forget(self, endpoint: str) -> None:
+        # A REQ socket without its answer cannot ask again: start over on the next call.
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def ask(self, endpoint: str, req: Grant | Have) -> Answer | None:
+        """The holder's answer, or None when it did not answer in time (dead, or gone)."""
+        sock = self._sock(endpoint)
         body = _req_enc.encode(req)
         try:
             sock.send_multipart([sign(self.token, body), body])
@@ -286,10 +304,45 @@ class GrantClient:
                 return _ans_dec.decode(sock.recv())
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.debug("grant from %s failed: %s", endpoint, exc)
-        # A REQ socket without its answer cannot ask again: start over on the next call.
-        self._socks.pop(endpoint, None)
-        sock.close(linger=0)
+        self._forget(endpoint)
         return None
+
+    def ask_all(
+        self,
+        endpoints: list[str],
+        req: Grant | Have,
+        on_answer: Callable[[str, Answer | None], None],
+    ) -> None:
+        """Ask every endpoint at once; ``on_answer`` gets each answer as it comes, and None for
+        each endpoint silent at the deadline: one timeout in all, however many never answer."""
+        body = _req_enc.encode(req)
+        waiting: dict[zmq.Socket[bytes], str] = {}
+        poller = zmq.Poller()
+        for ep in endpoints:
+            try:
+                sock = self._sock(ep)
+                sock.send_multipart([sign(self.token, body), body])
+            except zmq.ZMQError as exc:
+                log.debug("grant request to %s failed: %s", ep, exc)
+                self._forget(ep)
+                on_answer(ep, None)
+                continue
+            waiting[sock] = ep
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                ep = waiting.pop(sock)  # type: ignore[call-overload]
+                poller.unregister(sock)
+                try:
+                    ans: Answer | None = _ans_dec.decode(sock.recv(zmq.NOBLOCK))
+                except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError):
+                    self._forget(ep)
+                    ans = None
+                on_answer(ep, ans)
+        for ep in waiting.values():
+            self._forget(ep)
+            on_answer(ep, None)
 
     def close(self) -> None:
         for sock in self._socks.values():

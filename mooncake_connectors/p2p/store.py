@@ -35,6 +35,7 @@ from .manifest import (
     Manifest,
     P2PError,
     build_manifest,
+    check_paths,
     list_files,
     safe_relpath,
 )
@@ -107,8 +108,8 @@ class P2PStore:
         items: list[tuple[str, memoryview, str, list[int]]] = []
         regions: list[Region | None] = []
         if isinstance(sources, Mapping):
+            check_paths(sources)  # before anything is registered
             for key in sorted(sources):
-                safe_relpath(key)
                 t = sources[key]
                 dtype = str(getattr(t, "dtype", ""))
                 shape = [int(x) for x in getattr(t, "shape", ())]
@@ -166,7 +167,10 @@ class P2PStore:
                 path = root / safe_relpath(f.path)
                 if path.is_file() and path.stat().st_size > 0:
                     existed.add(i)
-                regions.append(self._prepare(path, f.size))
+                try:
+                    regions.append(self._prepare(path, f.size))
+                except OSError as exc:  # a full disk, a directory in the way, no permission
+                    raise P2PError(f"cannot create {str(path)!r} for {m.name!r}: {exc}") from exc
         else:
             assert isinstance(dest, Mapping)
             regions = []

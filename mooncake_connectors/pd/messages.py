@@ -8,9 +8,22 @@ frame into :class:`~mooncake_connectors.errors.ProtocolError`.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from ..errors import ProtocolError
+
+# Bounds a decoded message must keep, checked by msgspec before it builds the lists, so a hostile
+# peer's message costs its own size at most: far above what a real engine sends (one request id
+# per Done, a few hundred layers, the blocks of one request).
+MAX_ID = 1024  # characters of a request, push or engine id
+MAX_DONE_IDS = 1024  # request ids in one Done (our sender puts one)
+MAX_LAYERS = 1 << 12
+MAX_BLOCKS = 1 << 17  # block ids in one PushTarget: 2M tokens of 16-token blocks
+MAX_RANKS = 1 << 12  # TP ranks
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 
 
 class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -21,7 +34,7 @@ class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
     heads are interleaved (then blocks move only whole, between equal TP sizes).
     """
 
-    name: str
+    name: Id
     addr: int
     stride: int
     block_bytes: int
@@ -39,7 +52,7 @@ class WorkerLayout(msgspec.Struct, frozen=True):
     side_channel: str  # tcp://host:port of this worker's ROUTER socket
     block_size: int  # tokens per (scheduler) block
     dtype: str
-    layers: list[LayerLayout]
+    layers: Annotated[list[LayerLayout], msgspec.Meta(max_length=MAX_LAYERS)]
 
 
 class LayoutRequest(msgspec.Struct, tag="layout"):
@@ -59,10 +72,10 @@ class Done(msgspec.Struct, tag="done"):
     of them are done.
     """
 
-    engine_id: str
-    request_ids: list[str]
-    reader: int = 0
-    readers: int = 1
+    engine_id: Id
+    request_ids: Annotated[list[Id], msgspec.Meta(max_length=MAX_DONE_IDS)]
+    reader: Rank = 0
+    readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)] = 1
 
 
 class PushTarget(msgspec.Struct, tag="push_target"):
@@ -75,11 +88,11 @@ class PushTarget(msgspec.Struct, tag="push_target"):
     or fully cached); the prefill frees the request's blocks.
     """
 
-    push_id: str
-    engine_id: str  # the prefill engine the sender means
+    push_id: Id
+    engine_id: Id  # the prefill engine the sender means
     target: WorkerLayout
     first_block: int
-    block_ids: list[int]
+    block_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
     num_tokens: int
     prompt_hash: str
     expires_at: float

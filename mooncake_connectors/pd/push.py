@@ -30,6 +30,9 @@ from .side_channel import SideChannelClient
 
 log = logging.getLogger(__name__)
 _PUSH_GRACE = 2.0  # s a decode waits for PushDone past the deadline it gave the prefill
+# Targets may come before the step that names their push; anyone reaching a plaintext side
+# channel can send one (each up to a few MB decoded), so at most this many wait.
+_EARLY_TARGETS = 32
 
 
 @dataclasses.dataclass
@@ -77,6 +80,7 @@ class LayerPush:
         self._step_meta: StepPlan | None = None  # whose push progress _step holds
         # decode side: push id -> (spec, when to give up (monotonic))
         self._push_wait: dict[str, tuple[PushRecvSpec, float]] = {}
+        self.dropped_targets = 0  # push targets refused: no room for another early one
 
     def _client(self) -> SideChannelClient:
         raise NotImplementedError  # the session's, one per pool thread
@@ -142,6 +146,10 @@ class LayerPush:
         with self._lock:
             p = self._pushes.get(msg.push_id)
             if p is None:
+                early = sum(q.request_id is None for q in self._pushes.values())
+                if early >= _EARLY_TARGETS:  # the decode gives up at its deadline and recomputes
+                    self.dropped_targets += 1
+                    return
                 p = self._pushes[msg.push_id] = _Push(msg.push_id, time.monotonic())
             if p.target is not None:
                 return  # a duplicate
@@ -263,8 +271,15 @@ class LayerPush:
         """Pushes whose target or request never came within the lease are forgotten; a decode
         waiting past its deadline recomputes."""
         horizon = now - self.config.kv_lease
+        # A target no step of ours named: its decode gave up by now (and it holds a slot).
+        unnamed = now - self.config.transfer_timeout - _PUSH_GRACE
         with self._lock:
-            stale = [k for k, p in self._pushes.items() if p.created < horizon and not p.finishing]
+            stale = [
+                k
+                for k, p in self._pushes.items()
+                if not p.finishing
+                and (p.created < horizon or (p.request_id is None and p.created < unnamed))
+            ]
             for k in stale:
                 del self._pushes[k]
             late = [k for k, (_, until) in self._push_wait.items() if until <= now]

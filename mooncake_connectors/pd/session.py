@@ -27,6 +27,7 @@ from typing import Any
 
 from ..config import for_gpu
 from ..errors import ConfigError, LoadRefused, MooncakeConnectorsError, TransferError
+from ..netguard import RateLimitedLog
 from ..transfer_core import TransferEngine
 from ..types import Access, TransferStatus
 from .curve import CurveIdentity
@@ -46,6 +47,11 @@ from .side_channel import SideChannelClient, SideChannelServer
 
 log = logging.getLogger(__name__)
 _LOADERS = 4  # concurrent request loads (each is one batch spread over the engine's lanes)
+# A Done may beat the scheduler's plan that hands its request over (the decode read before our
+# next step): such ids wait here, at most this many and this long. Anyone who reaches a plaintext
+# side channel can send Done, so ids we do not hold must not cost more than this.
+_EARLY_DONE = 4096
+_EARLY_WAIT = 30.0  # s; many scheduler steps
 
 
 class TransferSession(LayerPush):
@@ -83,8 +89,11 @@ class TransferSession(LayerPush):
         self._layouts: dict[tuple[str, str], WorkerLayout] = {}
         self._silent: dict[str, float] = {}  # side channel -> until when it is taken as down
         self._sending: dict[str, float] = {}  # prefill request id -> lease deadline
-        # Done received (maybe before the lease began): request id -> (first seen, readers, ranks)
+        # Done received for a held request: request id -> (first seen, readers, ranks)
         self._done: dict[str, tuple[float, int, set[int]]] = {}
+        self._early: dict[str, tuple[float, int, set[int]]] = {}  # the same, not held (yet)
+        self.dropped_done = 0  # Done ids refused: not held and no room among the early ones
+        self._foreign = RateLimitedLog(log)  # anyone can send those: one line now and then
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
         self.stats = stats
@@ -169,17 +178,25 @@ class TransferSession(LayerPush):
     # -- prefill side ------------------------------------------------------------------------
     def _on_done(self, msg: Done) -> None:
         if msg.engine_id != self.engine_id:
-            log.warning(
+            self._foreign.warning(
                 "Done for engine %s reached engine %s; ignored", msg.engine_id, self.engine_id
             )
+            return
+        if msg.reader >= msg.readers:
+            self.dropped_done += len(msg.request_ids)
             return
         now = time.monotonic()
         with self._lock:
             for rid in msg.request_ids:
                 log.debug("timeline %s done_received", rid)
-                first, _, ranks = self._done.get(rid, (now, msg.readers, set()))
+                table = self._done if rid in self._sending else self._early
+                if table is self._early and rid not in table and len(table) >= _EARLY_DONE:
+                    # Full: keep the ones already waiting (a flood cannot push a real one out).
+                    self.dropped_done += 1
+                    continue
+                first, _, ranks = table.get(rid, (now, msg.readers, set()))
                 ranks.add(msg.reader)
-                self._done[rid] = (first, max(1, msg.readers), ranks)
+                table[rid] = (first, msg.readers, ranks)
 
     # -- per step ----------------------------------------------------------------------------
     def start_load_kv(self, meta: StepPlan) -> None:
@@ -188,6 +205,9 @@ class TransferSession(LayerPush):
             with self._lock:
                 for rid, lease in meta.send.items():
                     self._sending[rid] = now + lease
+                    early = self._early.pop(rid, None)
+                    if early is not None:
+                        self._done.setdefault(rid, early)
         for spec in meta.recv:
             log.debug("timeline %s load_queued", spec.request_id)
             self._pool.submit(self._load, spec)
@@ -213,6 +233,9 @@ class TransferSession(LayerPush):
             horizon = now - self.config.kv_lease
             for rid in [r for r, (t, _, _) in self._done.items() if t < horizon]:
                 del self._done[rid]
+            horizon = now - min(self.config.kv_lease, _EARLY_WAIT)
+            for rid in [r for r, (t, _, _) in self._early.items() if t < horizon]:
+                del self._early[rid]
             recved, self._recv_done = self._recv_done, set()
         for rid in recved:
             log.debug("timeline %s load_reported", rid)

@@ -233,6 +233,7 @@ class SideChannelClient:
                 )
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # a reply is a layout at most
             sock.setsockopt(zmq.SNDHWM, 1000)
             if self._curve is not None and key is not None:
                 sock.curve_secretkey = z85.encode(self._curve.secret)

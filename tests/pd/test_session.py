@@ -18,7 +18,7 @@ from helpers import wait_until
 
 from mooncake_connectors import certs
 from mooncake_connectors.config import EngineConfig
-from mooncake_connectors.pd.messages import Done, LayoutRequest, decode
+from mooncake_connectors.pd.messages import Done, LayoutRequest, PushTarget, decode
 from mooncake_connectors.pd.params import PullParams, PushParams, prompt_hash
 from mooncake_connectors.pd.plan import PushRecvSpec, PushSendStep, RecvSpec, StepPlan
 from mooncake_connectors.pd.session import TransferSession
@@ -270,3 +270,92 @@ def test_decode_gives_up_on_a_push_that_never_comes() -> None:
     finally:
         dec.shutdown()
         mute.close()
+
+
+# -- hostile peers on the plaintext side channel: bounded state, the channel keeps answering ----
+
+
+def _held_state(w: TransferSession) -> int:
+    """Done ids and push targets the session keeps."""
+    return len(w._done) + len(getattr(w, "_early", {})) + len(w._pushes)
+
+
+def test_a_done_flood_for_unknown_ids_is_bounded_and_a_held_request_is_still_freed() -> None:
+    from mooncake_connectors.pd.messages import encode
+    from mooncake_connectors.pd.side_channel import SideChannelClient
+
+    w, _ = session(accept_push=True)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    client = SideChannelClient(timeout=5)
+    try:
+        w.register(_kv(False), 0)
+        assert w.side_channel is not None
+        w.start_load_kv(StepPlan(send={"held": 60.0}))
+        before = _held_state(w)
+        sock.connect(w.side_channel)
+        # 40 messages of 1,000 fresh ids (40,000 ids), one of 200,000 ids, 100 push targets
+        for i in range(40):
+            ids = [f"forged-{i}-{j}" for j in range(1000)]
+            sock.send(encode(Done("eng", ids, 0, 1)))
+        sock.send(encode(Done("eng", [f"x{j}" for j in range(200_000)], 0, 1)))
+        layout = w.layout
+        assert layout is not None
+        for i in range(100):
+            target = PushTarget(f"push-{i}", "eng", layout, 0, [], 1, "h", 1e12)
+            sock.send(encode(target))
+        sock.send(encode(Done("eng", ["held"], 0, 1)))  # after the flood, on the same pipe
+        wait_until(lambda: "held" in w._done, 20, "the Done for the held request")
+        # the channel still answers a good client
+        assert client.fetch_layout(w.side_channel).engine_id == "eng"
+        assert w.get_finished() == ({"held"}, None)  # a Done for a held request frees it
+        grown = _held_state(w) - before
+        assert grown <= 4096 + 32, f"{grown} entries kept for ids nobody holds"
+        assert w.dropped_done >= 40_000 - 4096 and w.dropped_targets >= 100 - 32
+    finally:
+        client.close()
+        sock.close()
+        w.shutdown()
+
+
+def test_a_good_layout_request_is_answered_during_a_done_flood() -> None:
+    import threading
+
+    from mooncake_connectors.pd.messages import encode
+    from mooncake_connectors.pd.side_channel import SideChannelClient
+
+    w, _ = session()
+    stop = threading.Event()
+    sent = [0]
+
+    def flood(endpoint: str) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        try:
+            for i in range(3000):  # bounded: about 3 million ids
+                if stop.is_set():
+                    return
+                ids = [f"f-{i}-{j}" for j in range(1000)]
+                sock.send(encode(Done("eng", ids, 0, 1)))
+                sent[0] += 1
+        finally:
+            sock.close()
+
+    client = SideChannelClient(timeout=10)
+    try:
+        w.register(_kv(False), 0)
+        assert w.side_channel is not None
+        flooder = threading.Thread(target=flood, args=(w.side_channel,), daemon=True)
+        flooder.start()
+        wait_until(lambda: sent[0] >= 50, 20, "the flood to start")
+        for _ in range(3):
+            assert client.fetch_layout(w.side_channel).engine_id == "eng"
+        stop.set()
+        flooder.join(30)
+        assert client.fetch_layout(w.side_channel).engine_id == "eng"
+        assert _held_state(w) <= 4096
+    finally:
+        stop.set()
+        client.close()
+        w.shutdown()
