@@ -104,6 +104,9 @@ class Holder:
         self.objects: dict[tuple[str, int], Served] = {}
         self.granted_bytes = 0
         self._lock = threading.Lock()
+        # one announce at a time: a record is written in the order its snapshot was taken, so a
+        # beat's older snapshot never lands after finish()'s complete one
+        self._announcing = threading.Lock()
         self._stop = threading.Event()
         self._dirty = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -149,9 +152,18 @@ class Holder:
         self._dirty.set()
 
     def finish(self, s: Served) -> None:
+        """Every chunk is in: say so now, so a fetch that returned is listed as a complete
+        holder (the lease thread's next beat would say it too, but later)."""
         with self._lock:
             s.complete = True
-        self._dirty.set()
+            shared = self.objects.get((s.manifest.name, s.manifest.version)) is s
+        if not shared:
+            return
+        try:
+            self._announce(s)
+        except MetadataError as exc:
+            log.warning("could not publish the holder record of %s: %s", s.manifest.name, exc)
+            self._dirty.set()  # the lease thread tries again
 
     def drop(self, s: Served) -> None:
         with self._lock:
@@ -172,7 +184,8 @@ class Holder:
         )
 
     def _announce(self, s: Served) -> None:
-        self.catalog.put_holder(s.manifest.name, s.manifest.version, self._record(s))
+        with self._announcing:
+            self.catalog.put_holder(s.manifest.name, s.manifest.version, self._record(s))
 
     def _beat(self) -> None:
         period = self.lease / 3
