@@ -276,7 +276,16 @@ class TransferEngine:
         )
 
 
+# The opt-in ``mooncake`` alias (engines' own ``import mooncake.store`` get these facades).
+from .compat_alias import install_as_mooncake  # noqa: E402
+
 # The store facade lives in its own module; both are importable from here.
 from .compat_store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction  # noqa: E402
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "TransferEngine"]
+__all__ = [
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "SoftPinAction",
+    "TransferEngine",
+    "install_as_mooncake",
+]

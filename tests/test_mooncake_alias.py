@@ -1,0 +1,133 @@
+"""The opt-in ``mooncake`` alias, each case in a fresh interpreter (imports are process state)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mooncake_connectors.config import ALIAS_ENV, alias_from_env
+from mooncake_connectors.errors import ConfigError
+
+ROOT = str(Path(__file__).resolve().parents[1])
+REAL = importlib.machinery.PathFinder.find_spec("mooncake")  # Mooncake's wheel, if installed
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != ALIAS_ENV}
+    base["PYTHONPATH"] = os.pathsep.join([ROOT, base.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+WHAT = """
+import importlib.util, sys
+from mooncake_connectors import compat_alias
+on = compat_alias.install_from_env()
+spec = importlib.util.find_spec("mooncake")
+print(on, None if spec is None else getattr(spec.loader, "__class__").__name__)
+"""
+
+
+def test_off_by_default() -> None:
+    out = ok(run(WHAT)).split()
+    assert out[0] == "False"
+    assert out[1] != "_Loader"  # the installed Mooncake, or None where there is none
+
+
+def test_env_var_on_gives_our_facades() -> None:
+    proc = run(
+        """
+        from mooncake_connectors.compat_alias import install_from_env
+        assert install_from_env()
+        from mooncake.engine import TransferEngine
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake_connectors import compat, compat_store
+        assert TransferEngine is compat.TransferEngine
+        assert MooncakeDistributedStore is compat_store.MooncakeDistributedStore
+        assert ReplicateConfig is compat_store.ReplicateConfig
+        install_from_env()  # again: a no-op, no second log line
+        print("ok")
+        """,
+        **{ALIAS_ENV: "1"},
+    )
+    assert ok(proc).strip() == "ok"
+    lines = [ln for ln in proc.stderr.splitlines() if "mooncake alias on" in ln]
+    assert len(lines) == 1, proc.stderr
+    # An installed Mooncake is shadowed only because the alias was switched on, and said so.
+    assert ("shadowing the Mooncake installed at" in lines[0]) == (REAL is not None)
+
+
+def test_function_switches_children_on_through_the_environment() -> None:
+    out = ok(
+        run(
+            f"""
+            import subprocess, sys
+            from mooncake_connectors.compat import install_as_mooncake
+            install_as_mooncake()
+            import mooncake.store
+            child = subprocess.run([sys.executable, "-c", {WHAT!r}], capture_output=True,
+                                   text=True, timeout=120)
+            print(mooncake.store.__mooncake_connectors_alias__, child.stdout.strip())
+            """
+        )
+    )
+    assert out.split() == ["True", "True", "_Loader"]
+
+
+def test_real_mooncake_imported_first_is_refused_not_mixed() -> None:
+    if REAL is None:
+        pytest.skip("Mooncake's wheel is not installed here")
+    proc = run(
+        """
+        import mooncake.store
+        from mooncake_connectors.compat import install_as_mooncake
+        from mooncake_connectors.errors import ConfigError
+        try:
+            install_as_mooncake()
+        except ConfigError as exc:
+            print("refused:", exc)
+        assert not hasattr(mooncake.store, "__mooncake_connectors_alias__")
+        """
+    )
+    assert "refused: the mooncake alias cannot take effect" in ok(proc)
+
+
+def test_other_mooncake_modules_are_a_clear_import_error() -> None:
+    out = ok(
+        run(
+            """
+            from mooncake_connectors.compat import install_as_mooncake
+            install_as_mooncake()
+            try:
+                from mooncake.allocator import NVLinkAllocator
+            except ImportError as exc:  # what vLLM catches
+                print(type(exc).__name__, exc)
+            """
+        )
+    )
+    assert out.startswith("ModuleNotFoundError No module named 'mooncake.allocator'")
+    assert "provides mooncake.engine, mooncake.store only" in out
+
+
+def test_alias_env_values() -> None:
+    assert alias_from_env({}) is False
+    assert alias_from_env({ALIAS_ENV: "0"}) is False
+    assert alias_from_env({ALIAS_ENV: " On "}) is True
+    with pytest.raises(ConfigError, match=ALIAS_ENV):
+        alias_from_env({ALIAS_ENV: "maybe"})
