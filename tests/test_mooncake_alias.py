@@ -131,3 +131,15 @@ def test_alias_env_values() -> None:
     assert alias_from_env({ALIAS_ENV: " On "}) is True
     with pytest.raises(ConfigError, match=ALIAS_ENV):
         alias_from_env({ALIAS_ENV: "maybe"})
+
+
+def test_vllm_plugin_loader_switches_it_on_in_every_vllm_process() -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed (its own venv)")
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()  # what vLLM runs in its API server, engine core and workers
+        import mooncake.store
+        print(getattr(mooncake.store, "__mooncake_connectors_alias__", False))
+        """
+    assert ok(run(code, **{ALIAS_ENV: "1"})).split()[-1] == "True"
+    assert ok(run(code)).split()[-1] == "False"  # off by default, plugin loaded or not
