@@ -143,3 +143,40 @@ def test_vllm_plugin_loader_switches_it_on_in_every_vllm_process() -> None:
         """
     assert ok(run(code, **{ALIAS_ENV: "1"})).split()[-1] == "True"
     assert ok(run(code)).split()[-1] == "False"  # off by default, plugin loaded or not
+
+
+@pytest.mark.parametrize("transports", ["tcp", "shm,tcp"])
+def test_vllm_ec_connector_transfer_runs_on_our_engine(transports: str) -> None:
+    """vLLM's EC connector data plane (its MooncakeTransfer class, unmodified) on our engine."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (its own venv)")
+    code = """
+        import torch
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.distributed.ec_transfer.ec_connector.mooncake.transfer import (
+            MooncakeTransfer, ensure_mooncake_available)
+        import mooncake.engine
+        assert mooncake.engine.__mooncake_connectors_alias__
+        ensure_mooncake_available()
+        src, dst = MooncakeTransfer("127.0.0.1", "tcp"), MooncakeTransfer("127.0.0.1", "tcp")
+        g = torch.Generator().manual_seed(5)
+        a = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+        b = torch.zeros_like(a)
+        assert dst.register_memory(b) == 0
+        sources = src.acquire_sources([a[: 1 << 10], a[1 << 10 :]])  # sibling views
+        base = b.data_ptr()
+        src.write(dst.local_session(), sources, [base, base + (1 << 10)],
+                  [1 << 10, (1 << 20) - (1 << 10)])
+        assert torch.equal(a, b)
+        try:
+            src.write(dst.local_session(), sources[:1], [base + (1 << 20)], [1 << 10])
+        except RuntimeError as exc:  # outside what the peer registered: refused, not written
+            print("refused:", exc)
+        assert src.release_sources(sources) and dst.unregister_memory(b)
+        src.close()
+        dst.close()
+        print("ok")
+        """
+    out = ok(run(code, **{ALIAS_ENV: "1", "MOONCAKE_CONNECTORS_TRANSPORTS": transports}))
+    assert out.split()[-1] == "ok"
+    assert "refused: Mooncake EC push to 127.0.0.1:" in out
