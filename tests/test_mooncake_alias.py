@@ -180,3 +180,46 @@ def test_vllm_ec_connector_transfer_runs_on_our_engine(transports: str) -> None:
     out = ok(run(code, **{ALIAS_ENV: "1", "MOONCAKE_CONNECTORS_TRANSPORTS": transports}))
     assert out.split()[-1] == "ok"
     assert "refused: Mooncake EC push to 127.0.0.1:" in out
+
+
+def test_vllm_embedding_store_client_runs_on_our_store(tmp_path: Path) -> None:
+    """vLLM's EC embedding store client (unmodified; it calls batch_put_from_multi_buffers with
+    a header and a tensor, then batch_get_into) round-trips a tensor through our store."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (its own venv)")
+    import json
+
+    from mooncake_connectors.store import Master, MasterConfig
+
+    with Master(MasterConfig(port=0)) as master:
+        config = tmp_path / "mooncake.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": master.address,
+                    "protocol": "tcp",
+                    "global_segment_size": "64MB",
+                    "local_buffer_size": "16MB",
+                }
+            )
+        )
+        code = """
+            import torch
+            from vllm.plugins import load_general_plugins
+            load_general_plugins()
+            from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding import (
+                store_client)
+            from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
+                TensorSpec)
+            c = store_client.create_mooncake_embedding_store_client(read_buffer_bytes=8 << 20)
+            t = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            c.put_tensor("emb-1", t)
+            print(c.batch_exists(["emb-1", "emb-2"]))
+            spec = TensorSpec(shape=tuple(t.shape), dtype=str(t.dtype), nbytes=t.nbytes)
+            got = c.load_tensors({"emb-1": spec, "emb-2": spec}, "cpu")
+            print(sorted(got), torch.equal(got["emb-1"], t))
+            c.close()
+            """
+        env = {ALIAS_ENV: "1", "MOONCAKE_CONFIG_PATH": str(config), "VLLM_HOST_IP": "127.0.0.1"}
+        out = ok(run(code, **env)).splitlines()
+    assert out[-2:] == ["[True, False]", "['emb-1'] True"]
