@@ -122,6 +122,22 @@ class TransferEngine:
     def get_engine(self) -> _Engine:
         return self.engine
 
+    def send_probe(self, peer_server_name: str) -> int:
+        """Is ``HOST:PORT`` reachable (SGLang's PD backend asks before reusing a failed
+        session)? 0 yes; as Mooncake: -101 for a name that is not ``HOST:PORT``, -102 when the
+        peer does not answer. With ``P2PHANDSHAKE`` this fetches the descriptor from the peer
+        itself; with a metadata server, from there (the peer's published descriptor)."""
+        host, _, port = peer_server_name.rpartition(":")
+        if not host or not port.isdigit():
+            self._fail("send_probe", ValueError(f"{peer_server_name!r} is not HOST:PORT"))
+            return -101
+        try:
+            self.engine.refresh_peer(peer_server_name)
+        except (MooncakeConnectorsError, OSError) as exc:
+            log.info("send_probe %s: %s", peer_server_name, exc)
+            return -102
+        return 0
+
     # -- memory -----------------------------------------------------------------------------
     def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
         try:
@@ -276,7 +292,16 @@ class TransferEngine:
         )
 
 
+# The opt-in ``mooncake`` alias (engines' own ``import mooncake.store`` get these facades).
+from .compat_alias import install_as_mooncake  # noqa: E402
+
 # The store facade lives in its own module; both are importable from here.
 from .compat_store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction  # noqa: E402
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "TransferEngine"]
+__all__ = [
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "SoftPinAction",
+    "TransferEngine",
+    "install_as_mooncake",
+]

@@ -78,6 +78,21 @@ class SoftPinAction(enum.IntEnum):
     DISABLE = 2
 
 
+class ObjectDataType(enum.IntEnum):
+    """Mooncake's hint of what a value holds (accepted; our store treats every value alike)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
 class ReplicateConfig:
     """Mooncake's per-put options (the attributes our store uses are honoured)."""
 
@@ -92,6 +107,7 @@ class ReplicateConfig:
         self.prefer_alloc_in_same_node = False
         self.nof_replica_num = 0
         self.dfs_replica_num = 0
+        self.data_type = ObjectDataType.UNKNOWN  # a hint (vLLM's embedding store sets TENSOR)
 
     def __repr__(self) -> str:
         return (
@@ -119,6 +135,12 @@ def _code(err: MooncakeConnectorsError | None) -> int:
     if isinstance(err, (ConfigError, AccessViolation)):  # a bad key, size or address
         return INVALID_PARAMS
     return INTERNAL_ERROR
+
+
+def _read_codes(out: Sequence[int | MooncakeConnectorsError | None]) -> list[int]:
+    """A get's per-key outcomes as Mooncake returns them: bytes read, -704 for a miss, or the
+    error's code."""
+    return [NOT_FOUND if v is None else v if isinstance(v, int) else _code(v) for v in out]
 
 
 def metadata_url(metadata_server: str) -> str:
@@ -184,6 +206,9 @@ class MooncakeDistributedStore:
             from .store.client import StoreClient
             from .store.config import ClientConfig
 
+            tenant = str(conf.get("tenant_id") or "default")
+            if tenant != "default":  # Mooncake keeps tenants' keys apart; ours has one space
+                raise ConfigError(f"tenant_id {tenant!r}: only the default tenant is supported")
             if str(conf.get("protocol", "tcp")).lower() != "tcp":
                 raise ConfigError(f"protocol {conf.get('protocol')!r}: only 'tcp' is supported")
             given = conf.get("transports")
@@ -319,7 +344,38 @@ class MooncakeDistributedStore:
             out = self.client.batch_get_into(list(keys), list(buffer_ptrs), list(sizes))
         except (MooncakeConnectorsError, ValueError, TypeError) as exc:
             return [self._fail("batch_get_into", exc)] * len(keys)
-        return [NOT_FOUND if v is None else v if isinstance(v, int) else _code(v) for v in out]
+        return _read_codes(out)
+
+    # -- Mooncake's multi-buffer calls (vLLM's MooncakeStoreConnector); see compat_multi --------
+    def batch_put_from_multi_buffers(
+        self,
+        keys: Sequence[str],
+        all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        from .compat_multi import put_multi
+
+        try:
+            errs = put_multi(self.client, keys, all_buffer_ptrs, all_sizes, self._opts(config))
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            return [self._fail("batch_put_from_multi_buffers", exc)] * len(keys)
+        return [e if isinstance(e, int) else _code(e) for e in errs]
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: Sequence[str],
+        all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
+        from .compat_multi import get_multi
+
+        try:
+            out = get_multi(self.client, keys, all_buffer_ptrs, all_sizes)
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            return [self._fail("batch_get_into_multi_buffers", exc)] * len(keys)
+        return _read_codes(out)
 
     def get_size(self, key: str) -> int:
         try:
@@ -360,6 +416,7 @@ class MooncakeDistributedStore:
             "MooncakeDistributedStore",
             name,
             "setup, put, get, put_batch, get_batch, put_from, get_into, batch_put_from, "
-            "batch_get_into, is_exist, batch_is_exist, get_size, remove, remove_all, "
+            "batch_get_into, batch_put_from_multi_buffers, batch_get_into_multi_buffers, "
+            "is_exist, batch_is_exist, get_size, remove, remove_all, "
             "register_buffer, unregister_buffer, get_hostname, close",
         )

@@ -82,6 +82,20 @@ def tls_from_env(
     )
 
 
+ALIAS_ENV = "MOONCAKE_CONNECTORS_AS_MOONCAKE"
+
+
+def alias_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``MOONCAKE_CONNECTORS_AS_MOONCAKE`` switches the ``mooncake`` alias on (off when
+    unset or empty); a value other than 1/0, true/false, yes/no, on/off is a ConfigError."""
+    raw = (os.environ if env is None else env).get(ALIAS_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"environment variable {ALIAS_ENV}={raw!r} must be 1 or 0")
+
+
 def store_token_from_env() -> str | None:
     """The store's shared secret for callers whose API has no place for it (Mooncake's)."""
     return os.environ.get(STORE_TOKEN_ENV) or None

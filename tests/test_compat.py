@@ -22,6 +22,8 @@ def mooncake_script(TE: Any, metadata: str) -> dict[str, Any]:
     local = client.allocate_managed_buffer(1 << 20)
     assert local != 0
     out: dict[str, Any] = {}
+    out["probe"] = [client.send_probe(target), client.send_probe("127.0.0.1:1")]
+    out["probe_not_a_name"] = client.send_probe("nonsense")
     out["read"] = client.transfer_sync_read(target, local, remote.ctypes.data, 4096)
     out["read_ok"] = client.read_bytes_from_buffer(local, 4096) == remote[:4096].tobytes()
     assert client.write_bytes_to_buffer(local, b"\x07" * 100, 100) == 0
@@ -45,6 +47,8 @@ def mooncake_script(TE: Any, metadata: str) -> dict[str, Any]:
 
 
 EXPECTED = {
+    "probe": [0, -102],  # a live peer, a port nobody listens on
+    "probe_not_a_name": -101,
     "read": 0,
     "read_ok": True,
     "write": 0,

@@ -4,7 +4,9 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 its registry raises on a duplicate name, so registering is guarded: a second call (the same
 process loading plugins twice) is a no-op, and a different class already holding the name is an
 error rather than a silent overwrite. It also registers the ``mooncake_p2p`` load format (a model
-loader that fetches the checkpoint from the P2P swarm first).
+loader that fetches the checkpoint from the P2P swarm first), and switches the opt-in ``mooncake``
+alias on when ``MOONCAKE_CONNECTORS_AS_MOONCAKE=1`` (vLLM's own Mooncake connectors then run on our
+engine and store).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ CONNECTORS = {
 
 
 def register() -> None:
+    # First, so that a connector's own ``import mooncake.store`` (lazy, in the worker) finds
+    # our facades when MOONCAKE_CONNECTORS_AS_MOONCAKE=1 is set for this vLLM.
+    from ...compat_alias import install_from_env
+
+    install_from_env()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     for name, (module, cls) in CONNECTORS.items():
