@@ -14,6 +14,7 @@ ConfigError that says how to fix them; failures on the data path are TransportBr
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import importlib
 import resource
@@ -43,6 +44,26 @@ _NAMES = (
     "PyverbsError",
     "PyverbsRDMAError",
 )
+# The IBV_* constants this module reads; start fails clearly when pyverbs lacks one.
+_ENUMS = (
+    "IBV_WC_SUCCESS",
+    "IBV_WC_REM_ACCESS_ERR",
+    "IBV_WC_LOC_PROT_ERR",
+    "IBV_WC_REM_INV_REQ_ERR",
+    "IBV_ACCESS_LOCAL_WRITE",
+    "IBV_ACCESS_REMOTE_WRITE",
+    "IBV_ACCESS_REMOTE_READ",
+    "IBV_QPT_RC",
+    "IBV_QPS_RESET",
+    "IBV_QPS_INIT",
+    "IBV_QPS_RTR",
+    "IBV_QPS_RTS",
+    "IBV_QPS_ERR",
+    "IBV_QP_STATE",
+    "IBV_WR_RDMA_WRITE",
+    "IBV_WR_RDMA_READ",
+    "IBV_SEND_SIGNALED",
+)
 _PYVERBS_FIX = (
     "install rdma-core's Python bindings (Debian/Ubuntu: apt-get install python3-pyverbs) and "
     "run a Python of the same version that can import them (a venv made with "
@@ -68,11 +89,57 @@ def has_ipc_lock() -> bool:
     return False
 
 
+def _flat_enums(mods: list[types.ModuleType]) -> types.SimpleNamespace:
+    """Every ``IBV_*`` constant of pyverbs' enum modules, as plain ints in one namespace.
+
+    rdma-core <= 58 (``pyverbs.enums``, Cython < 3.1) puts each member at module level as well as
+    in its enum class; v59 moved them to ``pyverbs.libibverbs_enums``, and Cython >= 3.1 builds
+    keep them only in the classes (``ibv_qp_type.IBV_QPT_RC``). Reading the classes covers both.
+    """
+    flat: dict[str, int] = {}
+    for mod in mods:
+        for name, val in vars(mod).items():
+            if isinstance(val, enum.EnumMeta):
+                members: dict[str, Any] = dict(val.__members__)
+                for member_name, member in members.items():
+                    if member_name.startswith("IBV_"):
+                        flat.setdefault(member_name, int(member))
+            elif name.startswith("IBV_") and isinstance(val, int):
+                flat.setdefault(name, int(val))
+    return types.SimpleNamespace(**flat)
+
+
+def _enum_modules() -> list[types.ModuleType]:
+    mods = []
+    for name in ("pyverbs.libibverbs_enums", "pyverbs.enums"):  # v59+, then v28..v58
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return mods
+
+
 def _load_pyverbs() -> types.SimpleNamespace:
     try:
-        from pyverbs import addr, cq, device, enums, mr, pd, pyverbs_error, qp, wr
+        from pyverbs import addr, cq, device, mr, pd, pyverbs_error, qp, wr
     except ImportError as exc:
-        raise ConfigError(f"the rdma transport needs pyverbs ({exc}): {_PYVERBS_FIX}") from None
+        if exc.name == "pyverbs":
+            raise ConfigError(f"the rdma transport needs pyverbs ({exc}): {_PYVERBS_FIX}") from None
+        raise ConfigError(
+            f"pyverbs is installed but does not load ({exc}): run a Python of the version it was "
+            "built for, or reinstall rdma-core's Python bindings"
+        ) from None
+    mods = _enum_modules()
+    e = _flat_enums(mods)
+    missing = [n for n in _ENUMS if not hasattr(e, n)]
+    if missing:
+        import pyverbs
+
+        where = getattr(pyverbs, "__file__", "?")
+        raise ConfigError(
+            f"pyverbs at {where} lacks the verbs constants {missing} (enum modules found: "
+            f"{[m.__name__ for m in mods]}): this layout of rdma-core's bindings is not known here"
+        )
     ns = types.SimpleNamespace(
         Context=device.Context,
         get_device_list=device.get_device_list,
@@ -91,7 +158,7 @@ def _load_pyverbs() -> types.SimpleNamespace:
         SGE=wr.SGE,
         PyverbsError=pyverbs_error.PyverbsError,
         PyverbsRDMAError=pyverbs_error.PyverbsRDMAError,
-        e=enums,
+        e=e,
     )
     return ns
 
