@@ -70,6 +70,7 @@ class GID:
 class _PortAttr:
     def __init__(self, state: int, lid: int) -> None:
         self.state, self.lid, self.active_mtu = state, lid, e.IBV_MTU_4096
+        self.link_layer, self.gid_tbl_len = 2, 1  # Ethernet (RoCE), one GID
 
 
 class Context:
@@ -90,6 +91,10 @@ class Context:
     def query_gid(self, port: int, index: int) -> GID:
         self.dev.check()
         return GID(self.dev.gid)
+
+    def query_gid_type(self, port: int, index: int) -> int:
+        self.dev.check()
+        return 1  # IBV_GID_TYPE_SYSFS_ROCE_V2
 
     def close(self) -> None:
         pass

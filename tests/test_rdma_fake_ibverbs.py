@@ -10,17 +10,23 @@ gcc / infiniband/verbs.h are missing."""
 from __future__ import annotations
 
 import hashlib
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import fake_ibverbs_lib as fib
+import msgspec
 import pytest
 from helpers import Peer, pattern
 
-from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
+from mooncake_connectors.transfer_core.descriptor import RegionDesc, SegmentDesc, encode_segment
+from mooncake_connectors.transfer_core.metadata.base import SEGMENT_PREFIX
+from mooncake_connectors.transfer_core.metadata.http import HttpClient, MetadataHTTPServer
+from mooncake_connectors.transfer_core.transports import wire
 
 pytest.importorskip("pyverbs.device", reason="pyverbs (python3-pyverbs) does not import here")
 if fib.missing():
@@ -148,3 +154,113 @@ def test_write_and_read_between_processes(pairs: list[Pair], lib: Path, size: in
     )
     assert _sha(p.b, p.addr_b + SPAN - size, size) == want
     assert p.carried(p.a, p.b) > 0 and p.carried(p.b, p.a) > 0
+
+
+def test_roce_v2_gid_is_probed_on_a_routed_fabric(pairs: list[Pair], lib: Path) -> None:
+    """No gid_index set: index 0 is the RoCE v1 link-local GID, which a routed fabric drops
+    (every WR would retry out, every rail cool down). Each NIC's RoCE v2 IPv4-mapped GID is
+    found and used instead, so the data moves over rdma."""
+    p = Pair(lib, "mlx5_0:roce:4096:routed", "mlx5_0:roce:4096:routed,mlx5_1:roce:4096:routed")
+    pairs.append(p)
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
+    assert p.carried(p.a, p.b) > 0
+
+
+def test_infiniband_keeps_gid_0_and_routes_by_lid(pairs: list[Pair], lib: Path) -> None:
+    p = Pair(lib, "mlx5_0:ib:4096", "mlx5_0:ib:4096")
+    pairs.append(p)
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
+
+
+def test_path_mtu_is_the_smaller_of_both_ends(pairs: list[Pair], lib: Path) -> None:
+    """a's port runs MTU 4096, b's 1024 (a 1500-byte netdev). Using each side's own MTU, a's
+    WRITEs are NAKed by b as invalid requests and b's READs get responses too long to accept;
+    with the minimum both directions work."""
+    p = Pair(lib, "mlx5_0:roce:4096:routed", "mlx5_0:roce:1024:routed", gid_index=3)
+    pairs.append(p)
+    n = 1 << 20
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=n)
+    assert _sha(p.b, p.addr_b, n) == _sha(p.a, p.addr_a, n)
+    p.b.call("transfer", op="read", peer=p.a.segment, local=p.addr_b + n, remote=p.addr_a, length=n)
+    assert _sha(p.b, p.addr_b + n, n) == _sha(p.a, p.addr_a, n)
+
+
+class BadTarget:
+    """An rdma target that answers the connect exchange (no token) with a LID no port has:
+    values a peer sends reach pyverbs, whose Cython setters raise OverflowError on them."""
+
+    def __init__(self, reply: dict[str, Any]) -> None:
+        self.reply = msgspec.msgpack.encode(reply)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(10)
+                try:
+                    conn.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, 0, 0, bytes(16)))
+                    wire.recv_exact(conn, memoryview(bytearray(wire.AUTH.size)))
+                    conn.sendall(wire.VERDICT.pack(wire.MAGIC, wire.VERDICT_OK, 0, bytes(32)))
+                    head = bytearray(wire.REQ.size)
+                    wire.recv_exact(conn, memoryview(head))
+                    _, _, _, _, rid, _, length = wire.REQ.unpack(head)
+                    wire.recv_exact(conn, memoryview(bytearray(length)))
+                    resp = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, rid, len(self.reply))
+                    conn.sendall(resp + self.reply)
+                    conn.recv(1)  # until the initiator hangs up
+                except (OSError, ConnectionError):
+                    continue
+
+    def publish(self, url: str, name: str) -> None:
+        desc = SegmentDesc(
+            name=name,
+            host_id="another-host",
+            pid=1,
+            endpoints={"rdma": f"127.0.0.1:{self.port}"},
+            regions=[RegionDesc(addr=1 << 40, length=SPAN, rdma_rkeys={"mlx5_0": 0x1234})],
+            rdma_gids={"mlx5_0": "0000:0000:0000:0000:0000:ffff:0a00:0201"},
+            rdma_lids={"mlx5_0": 0},
+        )
+        client = HttpClient(url, timeout=5, token=None)
+        status, _ = client.request("PUT", {"key": SEGMENT_PREFIX + name}, encode_segment(desc))
+        client.close()
+        assert status in (200, 201, 204), status
+
+
+def test_a_foreign_error_while_connecting_fails_the_rail(lib: Path) -> None:
+    """The peer's LID is out of range: pyverbs raises OverflowError in the connect thread. The
+    rail fails with that cause and cools down, instead of staying CONNECTING with its requests
+    queued until the deadline says only that time ran out."""
+    srv = MetadataHTTPServer("127.0.0.1", 0).start()
+    bad = BadTarget({"qpn": 0x123, "psn": 1, "gid": "0" * 4 + ":0000" * 7, "lid": 1 << 20})
+    fabric = fib.new_fabric()
+    a = Peer(
+        env=fib.env(lib, "mlx5_0:roce:4096", fabric, 1),
+        metadata=srv.url,
+        transports=["rdma"],
+        timeout=3,
+        backoff_initial=30.0,  # the failed rail stays cool for the rest of the test
+        backoff_max=60.0,
+    )
+    try:
+        bad.publish(srv.url, "bad-target")
+        addr = a.call("alloc", kind="numpy", size=SPAN, seed=1)["addr"]
+        with pytest.raises(AssertionError, match=r"cannot connect a QP.*lid=1048576"):
+            a.call(
+                "transfer", op="write", peer="bad-target", local=addr, remote=1 << 40, length=4096
+            )
+        stats = a.call("rail_stats", peer="bad-target")["stats"]
+        assert [v["cooling"] for v in stats.values()] == [1.0], stats
+    finally:
+        a.close()
+        bad.sock.close()
+        srv.stop()
+        fib.drop_fabric(fabric)

@@ -241,14 +241,21 @@ class Rail:
         try:
             qp = nic.create_qp(self.owner.max_wr)
             psn = int.from_bytes(os.urandom(3), "little")
-            theirs = self.owner.exchange(self, QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid))
+            theirs = self.owner.exchange(
+                self, QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu)
+            )
             nic.connect(qp, theirs, psn)
-        except MooncakeConnectorsError as exc:
+        except Exception as exc:  # whatever it is, the rail must fail, never stay CONNECTING
+            if isinstance(exc, MooncakeConnectorsError):
+                err: MooncakeConnectorsError = exc
+            else:
+                log.exception("rdma rail %s: unexpected error while connecting", self.path)
+                err = TransportBroken(f"connecting failed: {type(exc).__name__}: {exc}")
             if qp is not None:
                 nic.destroy(qp)
-            log.info("rdma rail %s cannot connect: %s", self.path, exc)
+            log.info("rdma rail %s cannot connect: %s", self.path, err)
             if gen == self.gen:
-                self.broke(exc, cool=True)
+                self.broke(err, cool=True)
             return
         with self.lock:
             if self.closed or gen != self.gen:

@@ -47,7 +47,9 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     """``transport_settings["rdma"]``.
 
     verbs: the module with pyverbs' objects ("pyverbs"; tests name a fake). nics: devices to use
-    (empty: all). port, gid_index: the port and GID table entry of each NIC. slice_size: bytes
+    (empty: all). port: the port of each NIC. gid_index: the GID table entry of every NIC, or
+    -1 (default) for each NIC's own best: InfiniBand 0, RoCE its RoCE v2 (IPv4-mapped first)
+    GID, as Mooncake probes. slice_size: bytes
     per work request. max_wr: work requests in flight per QP. signal_every: ask for a completion
     every N requests. rail_timeout: seconds a rail may owe a completion before it is failed.
     min_memlock: the locked-memory limit (bytes) below which start fails. gpu_mr: "auto"
@@ -57,7 +59,7 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     verbs: str = "pyverbs"
     nics: tuple[str, ...] = ()
     port: int = 1
-    gid_index: int = 0
+    gid_index: int = -1
     slice_size: int = 64 * 1024
     max_wr: int = 128
     signal_every: int = 16
@@ -72,6 +74,7 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
             (1 <= self.max_wr <= 16384, "max_wr must be in 1..16384"),
             (1 <= self.signal_every <= self.max_wr, "signal_every must be in 1..max_wr"),
             (self.rail_timeout > 0, "rail_timeout must be > 0"),
+            (self.gid_index >= -1, "gid_index must be -1 (probe each NIC) or a table index"),
             (self.gpu_mr in ("auto", "dmabuf", "peermem"), "gpu_mr: auto, dmabuf or peermem"),
         )
         for ok, why in checks:
@@ -338,7 +341,14 @@ class RdmaTransport(Transport, RailOwner):
             raise TransportBroken("peer forgotten", peer=rail.peer)
         nic = rail.nic.nic
         req = control.ConnectRequest(
-            self.ctx.segment_name(), nic.name, rail.remote_nic, ours.qpn, ours.psn, nic.gid, nic.lid
+            self.ctx.segment_name(),
+            nic.name,
+            rail.remote_nic,
+            ours.qpn,
+            ours.psn,
+            nic.gid,
+            nic.lid,
+            nic.mtu,
         )
         deadline = time.monotonic() + self.ctx.config.connect_timeout
         return control.exchange(self.ctx, rail.peer, p.desc.endpoints["rdma"], req, deadline)
@@ -395,7 +405,7 @@ class RdmaTransport(Transport, RailOwner):
         qp = nic.create_qp(self.max_wr)
         psn = int.from_bytes(os.urandom(3), "little")
         try:
-            nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid), psn)
+            nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid, req.mtu), psn)
         except MooncakeConnectorsError:
             nic.destroy(qp)
             raise
@@ -408,4 +418,4 @@ class RdmaTransport(Transport, RailOwner):
             self._passive[key] = (nic, qp)
         if old is not None:
             old[0].destroy(old[1])
-        return control.encode_reply(QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid))
+        return control.encode_reply(QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu))

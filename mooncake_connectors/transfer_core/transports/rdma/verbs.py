@@ -74,6 +74,8 @@ MEMLOCK_FIX = (
     "LimitMEMLOCK=infinity for a systemd unit, `--ulimit memlock=-1` for docker"
 )
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
+LINK_LAYER_INFINIBAND = 1  # IBV_LINK_LAYER_INFINIBAND (a #define in verbs.h, not in every pyverbs)
+GID_TYPE_ROCE_V2 = 1  # IBV_GID_TYPE_SYSFS_ROCE_V2, what Context.query_gid_type answers
 _CAP_IPC_LOCK = 14
 
 
@@ -179,12 +181,28 @@ def load(module: str) -> types.SimpleNamespace:
 
 @dataclass(frozen=True)
 class QpAddr:
-    """What a peer needs to connect an RC QP to ours (sent in the connect exchange)."""
+    """What a peer needs to connect an RC QP to ours (sent in the connect exchange). ``mtu``:
+    the sender's active path MTU (an IBV_MTU_* value; 0 from a peer that does not send it)."""
 
     qpn: int
     psn: int
     gid: str
     lid: int
+    mtu: int = 0
+
+
+def _gid_rank(gid: str, gid_type: int) -> int | None:
+    """How good a RoCE source GID is (lower is better), None for an empty entry. Routed RoCE v2
+    with an IPv4-mapped address first (what a datacenter fabric routes), then other RoCE v2, and
+    RoCE v1 (L2 only: a routed fabric drops it) last."""
+    digits = gid.replace(":", "")
+    if not digits.strip("0"):
+        return None
+    v4 = digits[:20] == "0" * 20 and digits[20:24].lower() == "ffff"
+    local = digits[:4].lower() == "fe80"
+    if gid_type != GID_TYPE_ROCE_V2:
+        return 3
+    return 0 if v4 else 2 if local else 1
 
 
 @dataclass(frozen=True)
@@ -229,7 +247,8 @@ class Verbs:
             )
         return names
 
-    def open(self, name: str, port: int, gid_index: int) -> Nic:
+    def open(self, name: str, port: int, gid_index: int = -1) -> Nic:
+        """Open ``name``; ``gid_index`` -1 picks this NIC's GID itself (Nic.probe_gid)."""
         return Nic(self, name, port, gid_index)
 
     def check_memlock(self, minimum: int) -> None:
@@ -269,11 +288,39 @@ class Nic:
                 )
             self.lid = int(attr.lid)
             self.mtu = int(attr.active_mtu)
-            self.gid = str(self.ctx.query_gid(port, gid_index))
+            self.link_layer = int(getattr(attr, "link_layer", 0))
+            if gid_index < 0:
+                self.gid_index = self.probe_gid(int(getattr(attr, "gid_tbl_len", 1)))
+            self.gid = str(self.ctx.query_gid(port, self.gid_index))
             self.pd = lib.PD(self.ctx)
             self.cq = lib.CQ(self.ctx, 4096)
         except lib.PyverbsError as exc:
             raise ConfigError(f"RDMA device {name} cannot be opened: {exc}", nic=name) from None
+
+    def probe_gid(self, table_len: int) -> int:
+        """This NIC's best source GID index. InfiniBand routes by LID: index 0, the port GID.
+        RoCE: the table's best entry by _gid_rank (index 0 on mlx5 is RoCE v1 link-local, which
+        a routed fabric drops, so a fixed index would silently leave RDMA unused)."""
+        if self.link_layer == LINK_LAYER_INFINIBAND:
+            return 0
+        best: tuple[int, int] | None = None
+        for i in range(max(table_len, 1)):
+            try:
+                gid = str(self.ctx.query_gid(self.port, i))
+                gid_type = int(self.ctx.query_gid_type(self.port, i))
+            except self.lib.PyverbsError:
+                continue  # an empty or unreadable entry
+            rank = _gid_rank(gid, gid_type)
+            if rank is not None and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            self.ctx.close()
+            raise ConfigError(
+                f"RDMA device {self.name} port {self.port} has no usable GID (is an IP address "
+                "configured on its netdev?); or set transport_settings['rdma']['gid_index']",
+                nic=self.name,
+            )
+        return best[1]
 
     # -- memory -----------------------------------------------------------------------------
     def reg_mr(self, addr: int, length: int, access: int) -> Any:
@@ -316,8 +363,10 @@ class Nic:
             raise TransportBroken(f"cannot create a QP on {self.name}: {exc}") from None
 
     def connect(self, qp: Any, remote: QpAddr, psn: int) -> None:
-        """RESET -> INIT -> RTR -> RTS, aimed at ``remote``."""
+        """RESET -> INIT -> RTR -> RTS, aimed at ``remote``, at the smaller path MTU of the two
+        ends (a packet longer than the peer's MTU is dropped or NAKed as an invalid request)."""
         lib, e = self.lib, self.lib.e
+        mtu = min(self.mtu, remote.mtu) if remote.mtu else self.mtu
         try:
             attr = lib.QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
             attr.port_num = self.port
@@ -325,7 +374,7 @@ class Nic:
             attr.qp_access_flags = self.verbs.REMOTE_ACCESS
             qp.to_init(attr)
             attr = lib.QPAttr(qp_state=e.IBV_QPS_RTR, cur_qp_state=e.IBV_QPS_INIT)
-            attr.path_mtu = self.mtu
+            attr.path_mtu = mtu
             attr.dest_qp_num = remote.qpn
             attr.rq_psn = remote.psn
             attr.max_dest_rd_atomic = 16
@@ -342,6 +391,11 @@ class Nic:
             qp.to_rts(attr)
         except lib.PyverbsError as exc:
             raise TransportBroken(f"cannot connect a QP on {self.name}: {exc}") from None
+        except (OverflowError, TypeError, ValueError) as exc:
+            # pyverbs' Cython setters refuse a peer's QPN, PSN, LID or MTU out of their range
+            raise TransportBroken(
+                f"cannot connect a QP on {self.name}: the peer sent {remote}: {exc}"
+            ) from None
 
     def to_error(self, qp: Any) -> None:
         """Move ``qp`` to ERR: the NIC stops moving its bytes and flushes what is queued."""
