@@ -85,6 +85,22 @@ def _sha(p: Peer, addr: int, n: int) -> str:
     return str(p.call("digest", addr=addr, length=n)["sha"])
 
 
+def _child(lib: Path, devices: str, code: str) -> None:
+    """Run ``code`` in a child over the emulated NIC; it prints "ok" when its checks hold."""
+    fabric = fib.new_fabric()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**fib.env(lib, devices, fabric, 1), "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        fib.drop_fabric(fabric)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def test_real_pyverbs_opens_the_emulated_nic(lib: Path) -> None:
     """In one child: device list, port, GID table, PD, MR, CQ and an RC QP pair through verbs.py,
     then a WRITE, a READ, and a WRITE past the peer MR's end (REM_ACCESS_ERR, QP to ERR)."""
@@ -118,21 +134,60 @@ a.post(qa, 4, True, ctypes.addressof(src), 16, ma.lkey, ctypes.addressof(dst), m
 assert c.status == 5, c  # IBV_WC_WR_FLUSH_ERR: the QP is in ERR now
 print("ok")
 """
-    fabric = fib.new_fabric()
+    _child(lib, "mlx5_0:roce:4096,mlx5_1:roce:4096", code)
+
+
+def test_the_emulated_nic_refuses_what_verbs_refuse(lib: Path) -> None:
+    """Through the real pyverbs: REMOTE_WRITE without LOCAL_WRITE, RTS before RTR, a GID index
+    past the table, a path MTU above the port's, and a CQ polled after it overran."""
+    code = """
+import ctypes
+from pyverbs import addr, cq, device, mr, pd, qp, wr
+from pyverbs import enums as e
+from pyverbs.pyverbs_error import PyverbsError
+def refused(fn):
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            env={
-                **fib.env(lib, "mlx5_0:roce:4096,mlx5_1:roce:4096", fabric, 1),
-                "PYTHONPATH": str(ROOT),
-            },
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        fib.drop_fabric(fabric)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+        fn()
+    except PyverbsError:
+        return True
+    return False
+ctx = device.Context(name="mlx5_0")
+p = pd.PD(ctx)
+buf = ctypes.create_string_buffer(4096)
+at = ctypes.addressof(buf)
+assert refused(lambda: mr.MR(p, 4096, e.IBV_ACCESS_REMOTE_WRITE, address=at))
+m = mr.MR(p, 4096, 7, address=at)
+c = cq.CQ(ctx, 2)
+cap = qp.QPCap(max_send_wr=8, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+q = qp.QP(p, qp.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=c, rcq=c, cap=cap))
+a = qp.QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RESET)
+assert refused(lambda: q.modify(a, e.IBV_QP_STATE | e.IBV_QP_SQ_PSN))  # RESET -> RTS
+a = qp.QPAttr(qp_state=e.IBV_QPS_INIT)
+a.qp_access_flags = 7
+q.to_init(a)
+def rtr(sgid_index, mtu):
+    a = qp.QPAttr(qp_state=e.IBV_QPS_RTR)
+    a.path_mtu, a.dest_qp_num, a.rq_psn = mtu, q.qp_num, 0
+    a.max_dest_rd_atomic, a.min_rnr_timer = 1, 1
+    gr = addr.GlobalRoute(dgid=ctx.query_gid(1, 3), sgid_index=sgid_index)
+    a.ah_attr = addr.AHAttr(is_global=1, port_num=1, gr=gr)
+    q.to_rtr(a)
+assert refused(lambda: rtr(4, 5))  # four GIDs: index 4 does not exist
+assert refused(lambda: rtr(3, 6))  # no IBV_MTU above 4096
+rtr(3, 5)  # a loopback QP, aimed at itself
+a = qp.QPAttr(qp_state=e.IBV_QPS_RTS)
+a.sq_psn, a.timeout, a.retry_cnt, a.rnr_retry, a.max_rd_atomic = 0, 14, 7, 7, 1
+q.to_rts(a)
+for i in range(3):
+    sge = wr.SGE(at, 64, m.lkey)
+    w = wr.SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge],
+                  send_flags=e.IBV_SEND_SIGNALED)
+    w.set_wr_rdma(m.rkey, at + 1024)
+    q.post_send(w)
+assert refused(lambda: c.poll(4))  # three completions in a CQ of two: overrun
+print("ok")
+"""
+    _child(lib, "mlx5_0:roce:4096", code)
 
 
 @pytest.mark.parametrize("size", [1, 4096, 65537, SPAN])
