@@ -319,3 +319,28 @@ def test_a_foreign_error_while_connecting_fails_the_rail(lib: Path) -> None:
         bad.sock.close()
         srv.stop()
         fib.drop_fabric(fabric)
+
+
+def test_a_failed_gpu_registration_leaves_nothing_registered(pairs: list[Pair], lib: Path) -> None:
+    """b's GPU memory (the fake CUDA driver) cannot get an MR: ``gpu_mr="dmabuf"`` and the
+    driver exports no dma-buf. Registering it fails, and leaves nothing behind: before, the
+    region stayed in the segment, every later publish tried its MR again and raised, so no
+    other region could be registered or unregistered."""
+    devs = "mlx5_0:roce:4096"
+    p = Pair(lib, devs, devs, gid_index=3)
+    pairs.append(p)
+    c = Peer(
+        env=fib.env(lib, devs, p.fabric, 3),
+        metadata=p.srv.url,
+        transports=["rdma"],
+        transport_settings={"rdma": {"rail_timeout": 2.0, "gid_index": 3, "gpu_mr": "dmabuf"}},
+        timeout=10,
+        fake_cuda=True,
+    )
+    p.peers.append(c)
+    with pytest.raises(AssertionError, match=r"ConfigError.*dma-buf"):
+        c.call("alloc", kind="cuda", size=SPAN, seed=3)
+    addr = c.call("alloc", kind="numpy", size=SPAN, seed=4)["addr"]  # raised here before
+    p.a.call("transfer", op="write", peer=c.segment, local=p.addr_a, remote=addr, length=SPAN)
+    assert _sha(c, addr, SPAN) == _sha(p.a, p.addr_a, SPAN)
+    c.call("unregister", addr=addr)
