@@ -344,3 +344,39 @@ def test_a_failed_gpu_registration_leaves_nothing_registered(pairs: list[Pair], 
     p.a.call("transfer", op="write", peer=c.segment, local=p.addr_a, remote=addr, length=SPAN)
     assert _sha(c, addr, SPAN) == _sha(p.a, p.addr_a, SPAN)
     c.call("unregister", addr=addr)
+
+
+def test_devices_that_cannot_carry_rc_are_skipped(lib: Path) -> None:
+    """Of five devices only mlx5_0 joins: an iWARP RNIC (its QPs need the RDMA CM), an EFA
+    device (unspecified link and transport: no RC), a port DOWN and a NIC with an empty GID
+    table are each skipped with one log line naming it. Before, iWARP and EFA devices were
+    opened and put in the mesh of rails."""
+    code = """
+import logging
+from mooncake_connectors.config import EngineConfig
+from mooncake_connectors.transfer_core import TransferEngine
+from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+log = logging.getLogger("mooncake_connectors")
+log.addHandler(Keep())
+log.setLevel(logging.INFO)
+srv = MetadataHTTPServer("127.0.0.1", 0).start()
+eng = TransferEngine(EngineConfig(metadata=srv.url, transports=("rdma",))).start()
+(t,) = [t for t in eng.transports if t.name == "rdma"]
+assert sorted(t.nics) == ["mlx5_0"], sorted(t.nics)
+skips = [line for line in lines if "skipping a device" in line]
+for name, why in (("iw0", "transport type 1"), ("efa0", "transport type 4"),
+                  ("mlx5_1", "not ACTIVE"), ("mlx5_2", "GID")):
+    mine = [line for line in skips if f" {name} " in line]
+    assert len(mine) == 1 and why in mine[0], (name, skips)
+assert len(skips) == 4, skips
+eng.close()
+srv.stop()
+print("ok")
+"""
+    devs = "mlx5_0:roce:4096,iw0:iwarp:4096,efa0:efa:4096,mlx5_1:roce:4096:down"
+    devs += ",mlx5_2:roce:4096:nogid"
+    _child(lib, devs, code)

@@ -21,8 +21,9 @@
  * A WR that cannot reach its peer completes with RETRY_EXC_ERR after the time a NIC would
  * retry (4.096 us * 2^timeout * (retry_cnt + 1)) times FAKE_IBV_RETRY_SCALE (default 1).
  *
- * Devices come from FAKE_IBV_DEVICES: "name:link:mtu[:routed]" comma-separated, link "roce" or
- * "ib", mtu in bytes (256..4096). FAKE_IBV_HOST (default: the pid) makes this process's GIDs and
+ * Devices come from FAKE_IBV_DEVICES: "name:link:mtu[:flags]" comma-separated, link "roce", "ib",
+ * "iwarp" (an RNIC: iWARP transport, Ethernet link) or "efa" (unspecified link and transport), mtu
+ * in bytes (256..4096), flags "routed" (a routed fabric), "down" (port DOWN), "nogid" (an empty GID table), joined by +. FAKE_IBV_HOST (default: the pid) makes this process's GIDs and
  * LIDs; FAKE_IBV_FABRIC names the fabric (a shared file in /dev/shm) processes meet on. The
  * one-sided data moves with process_vm_readv/writev into the peer process's registered memory.
  */
@@ -51,12 +52,13 @@
 #define NGID 4
 #define LINK_IB 1
 #define LINK_ETH 2
+#define LINK_NONE 0 /* IBV_LINK_LAYER_UNSPECIFIED, as EFA reports */
 #define MAX_RD_ATOM 16
 #define MAX_QP_WR 16384
 
 /* ---- the fabric: a table in shared memory that every process of a test maps ---------------- */
 struct rdev {
-	int pid, link, mtu, lid, routed;
+	int pid, link, mtu, lid, routed, down, nogid;
 	uint8_t gid[NGID][16];
 	int gid_type[NGID]; /* enum ibv_gid_type */
 };
@@ -156,9 +158,11 @@ static void load_devices(void)
 		struct rdev *r = &fab->dev[slot];
 		memset(r, 0, sizeof(*r));
 		r->pid = getpid();
-		r->link = strcmp(link, "ib") == 0 ? LINK_IB : LINK_ETH;
+		r->link = strcmp(link, "ib") == 0 ? LINK_IB : strcmp(link, "efa") == 0 ? LINK_NONE : LINK_ETH;
 		r->mtu = mtu_enum(mtu);
-		r->routed = strcmp(routed, "routed") == 0;
+		r->routed = strstr(routed, "routed") != NULL;
+		r->down = strstr(routed, "down") != NULL;
+		r->nogid = strstr(routed, "nogid") != NULL; /* no address on the netdev: no GIDs */
 		r->lid = r->link == LINK_IB ? 1 + ((host * 8 + ndevs) % 0xbffe) : 0;
 		for (int g = 0; g < NGID; g++) {
 			uint8_t *gid = r->gid[g];
@@ -175,8 +179,11 @@ static void load_devices(void)
 		struct fdev *d = &devs[ndevs++];
 		memset(d, 0, sizeof(*d));
 		d->slot = slot;
-		d->dev.node_type = IBV_NODE_CA;
-		d->dev.transport_type = IBV_TRANSPORT_IB;
+		/* what the kernel reports for an iWARP NIC (RNIC) and for EFA (an unspecified link) */
+		int iwarp = strcmp(link, "iwarp") == 0;
+		d->dev.node_type = iwarp ? IBV_NODE_RNIC : r->link == LINK_NONE ? IBV_NODE_UNSPECIFIED : IBV_NODE_CA;
+		d->dev.transport_type = iwarp ? IBV_TRANSPORT_IWARP
+				      : r->link == LINK_NONE ? IBV_TRANSPORT_UNSPECIFIED : IBV_TRANSPORT_IB;
 		snprintf(d->dev.name, sizeof(d->dev.name), "%s", name);
 		snprintf(d->dev.dev_name, sizeof(d->dev.dev_name), "uverbs%d", ndevs - 1);
 		snprintf(d->dev.dev_path, sizeof(d->dev.dev_path), "/fake/uverbs%d", ndevs - 1);
@@ -320,27 +327,29 @@ int ibv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
 	return 0;
 }
 
+static int ngid(struct rdev *r) { return r->nogid ? 0 : r->link == LINK_IB ? 1 : NGID; }
+
 int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct _compat_ibv_port_attr *out)
 {
 	struct ibv_port_attr *a = (struct ibv_port_attr *)out;
 	if (port != 1)
 		return EINVAL;
 	struct rdev *r = rdev_of(ctx);
-	a->state = IBV_PORT_ACTIVE;
+	a->state = r->down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
 	a->max_mtu = IBV_MTU_4096;
 	a->active_mtu = r->mtu;
-	a->gid_tbl_len = r->link == LINK_IB ? 1 : NGID;
+	a->gid_tbl_len = ngid(r);
 	a->max_msg_sz = 1u << 31;
 	a->pkey_tbl_len = 1;
 	a->lid = r->lid;
-	a->link_layer = r->link == LINK_IB ? IBV_LINK_LAYER_INFINIBAND : IBV_LINK_LAYER_ETHERNET;
-	a->phys_state = 5; /* LinkUp */
+	a->link_layer = r->link == LINK_IB ? IBV_LINK_LAYER_INFINIBAND
+			: r->link == LINK_ETH ? IBV_LINK_LAYER_ETHERNET : IBV_LINK_LAYER_UNSPECIFIED;
+	a->phys_state = r->down ? 3 : 5; /* Disabled, LinkUp */
 	a->active_width = 2;
 	a->active_speed = 32;
 	return 0;
 }
 
-static int ngid(struct rdev *r) { return r->link == LINK_IB ? 1 : NGID; }
 
 int ibv_query_gid(struct ibv_context *ctx, uint8_t port, int index, union ibv_gid *gid)
 {

@@ -75,6 +75,8 @@ MEMLOCK_FIX = (
 )
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
 LINK_LAYER_INFINIBAND = 1  # IBV_LINK_LAYER_INFINIBAND (a #define in verbs.h, not in every pyverbs)
+LINK_LAYER_ETHERNET = 2  # IBV_LINK_LAYER_ETHERNET: RoCE
+TRANSPORT_IB = 0  # IBV_TRANSPORT_IB: InfiniBand and RoCE; iWARP is 1, usNIC 2-3, EFA 4
 GID_TYPE_ROCE_V2 = 1  # IBV_GID_TYPE_SYSFS_ROCE_V2, what Context.query_gid_type answers
 _CAP_IPC_LOCK = 14
 
@@ -230,6 +232,7 @@ class Verbs:
             e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         )
         self.READ_ONLY_ACCESS = int(e.IBV_ACCESS_REMOTE_READ)
+        self.transport_of: dict[str, int] = {}  # device -> IBV_TRANSPORT_*, from devices()
 
     def devices(self) -> list[str]:
         """Names of the RDMA devices; ConfigError with the fix when there are none."""
@@ -239,6 +242,10 @@ class Verbs:
         except self.lib.PyverbsError as exc:  # pyverbs raises rather than return [] with none
             devs, why = [], f"listing devices failed: {exc}"
         names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+        self.transport_of = {
+            n: int(getattr(d, "transport_type", TRANSPORT_IB))
+            for n, d in zip(names, devs, strict=True)
+        }
         if not names:
             raise ConfigError(
                 f"no RDMA device ({why}): the rdma transport needs an InfiniBand/RoCE NIC with "
@@ -288,14 +295,35 @@ class Nic:
                 )
             self.lid = int(attr.lid)
             self.mtu = int(attr.active_mtu)
-            self.link_layer = int(getattr(attr, "link_layer", 0))
+            self.link_layer = int(getattr(attr, "link_layer", LINK_LAYER_ETHERNET))
+            table_len = int(getattr(attr, "gid_tbl_len", 1))
+            why = self._unsupported(verbs.transport_of.get(name, TRANSPORT_IB), table_len)
+            if why:
+                self.ctx.close()
+                raise ConfigError(f"RDMA device {name} port {port} {why}", nic=name)
             if gid_index < 0:
-                self.gid_index = self.probe_gid(int(getattr(attr, "gid_tbl_len", 1)))
+                self.gid_index = self.probe_gid(table_len)
             self.gid = str(self.ctx.query_gid(port, self.gid_index))
             self.pd = lib.PD(self.ctx)
             self.cq = lib.CQ(self.ctx, 4096)
         except lib.PyverbsError as exc:
             raise ConfigError(f"RDMA device {name} cannot be opened: {exc}", nic=name) from None
+
+    def _unsupported(self, transport: int, table_len: int) -> str | None:
+        """Why this device cannot carry the transport's RC QPs (None: it can). They are brought
+        up by hand (modify_qp with an address vector), which only InfiniBand and RoCE devices
+        take: an iWARP device needs the RDMA CM, EFA has no RC, a management or storage NIC
+        with no GID has no address to be reached at."""
+        if transport != TRANSPORT_IB:
+            return (
+                f"is not an InfiniBand/RoCE device (transport type {transport}: iWARP, usNIC or "
+                "EFA), whose QPs this transport cannot connect"
+            )
+        if self.link_layer not in (LINK_LAYER_INFINIBAND, LINK_LAYER_ETHERNET):
+            return f"has link layer {self.link_layer}, neither InfiniBand nor Ethernet (RoCE)"
+        if table_len < 1:
+            return "has an empty GID table (no IP address on its netdev?)"
+        return None
 
     def probe_gid(self, table_len: int) -> int:
         """This NIC's best source GID index. InfiniBand routes by LID: index 0, the port GID.
