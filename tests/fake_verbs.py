@@ -26,6 +26,7 @@ import os
 import socket
 import threading
 import time
+import types
 from typing import Any
 
 from fake_nic import (
@@ -95,6 +96,12 @@ class Context:
     def query_gid_type(self, port: int, index: int) -> int:
         self.dev.check()
         return 1  # IBV_GID_TYPE_SYSFS_ROCE_V2
+
+    def query_device(self) -> Any:
+        self.dev.check()  # ConnectX-like caps
+        return types.SimpleNamespace(
+            max_qp_wr=32768, max_cqe=4194303, max_qp_rd_atom=16, max_qp_init_rd_atom=16
+        )
 
     def close(self) -> None:
         pass

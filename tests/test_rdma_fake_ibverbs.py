@@ -44,14 +44,16 @@ def lib() -> Path:
 class Pair:
     """Two engine processes, a (here) and b, each with its own emulated NICs on one fabric."""
 
-    def __init__(self, lib: Path, devs_a: str, devs_b: str, **rdma: Any) -> None:
+    def __init__(
+        self, lib: Path, devs_a: str, devs_b: str, caps: dict[str, str] | None = None, **rdma: Any
+    ) -> None:
         self.fabric = fib.new_fabric()
         self.srv = MetadataHTTPServer("127.0.0.1", 0).start()
         self.peers: list[Peer] = []
         for host, devs in ((1, devs_a), (2, devs_b)):
             self.peers.append(
                 Peer(
-                    env=fib.env(lib, devs, self.fabric, host),
+                    env={**fib.env(lib, devs, self.fabric, host), **(caps or {})},
                     metadata=self.srv.url,
                     transports=["rdma"],  # no tcp to fall back to: what moves, moved by rdma
                     transport_settings={"rdma": {"rail_timeout": 2.0, **rdma}},
@@ -380,3 +382,21 @@ print("ok")
     devs = "mlx5_0:roce:4096,iw0:iwarp:4096,efa0:efa:4096,mlx5_1:roce:4096:down"
     devs += ",mlx5_2:roce:4096:nogid"
     _child(lib, devs, code)
+
+
+def test_a_small_device_bounds_qps_and_the_cq(pairs: list[Pair], lib: Path) -> None:
+    """A device with max_cqe 8, max_qp_wr 32 and 4 rd_atomic. Before, its CQ (4096) and rd_atomic
+    (16) were refused and the NIC never opened. Now the caps are queried, and with every WR
+    signalled no more WRs are outstanding than the CQ holds: posting max_wr (128) at once would
+    overrun it, after which every poll fails and the NIC is lost."""
+    devs = "mlx5_0:roce:4096,mlx5_1:roce:4096"
+    caps = {"FAKE_IBV_MAX_CQE": "8", "FAKE_IBV_MAX_QP_WR": "32", "FAKE_IBV_MAX_RD_ATOM": "4"}
+    p = Pair(lib, devs, devs, caps, gid_index=3, signal_every=1, slice_size=4096)
+    pairs.append(p)
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
+    p.a.call("transfer", op="read", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
+    assert _sha(p.a, p.addr_a, SPAN) == _sha(p.b, p.addr_b, SPAN)
+    stats = p.a.call("rail_stats", peer=p.b.segment)["stats"]
+    assert sum(v["carried"] for v in stats.values()) >= 2 * SPAN // 4096, stats
+    assert not any(v["cooling"] for v in stats.values()), stats

@@ -17,7 +17,9 @@
  *  - PSNs: each WR advances both sides by its packet count; a mismatch never completes;
  *  - path MTU both ways: a WRITE larger than the responder's path MTU is NAKed as an invalid
  *    request; a READ whose responses exceed the requester's path MTU never completes;
- *  - a bounded CQ: one more CQE than it holds overruns it and every poll after that fails.
+ *  - a bounded CQ: one more CQE than it holds overruns it and every poll after that fails;
+ *    destroying a QP removes its CQEs, as mlx5 does; device caps (max_cqe, max_qp_wr, rd_atom)
+ *    settable, what exceeds them refused.
  * A WR that cannot reach its peer completes with RETRY_EXC_ERR after the time a NIC would
  * retry (4.096 us * 2^timeout * (retry_cnt + 1)) times FAKE_IBV_RETRY_SCALE (default 1).
  *
@@ -55,6 +57,17 @@
 #define LINK_NONE 0 /* IBV_LINK_LAYER_UNSPECIFIED, as EFA reports */
 #define MAX_RD_ATOM 16
 #define MAX_QP_WR 16384
+
+/* Device caps, smaller where a test sets FAKE_IBV_MAX_CQE / _MAX_QP_WR / _MAX_RD_ATOM (devices
+ * differ: a CQ or QP larger than the device's, or more rd_atomic, is refused as on hardware). */
+static int cap(const char *name, int dflt)
+{
+	const char *v = getenv(name);
+	return v && *v ? atoi(v) : dflt;
+}
+#define CAP_CQE cap("FAKE_IBV_MAX_CQE", 4194303)
+#define CAP_QP_WR cap("FAKE_IBV_MAX_QP_WR", MAX_QP_WR)
+#define CAP_RD_ATOM cap("FAKE_IBV_MAX_RD_ATOM", MAX_RD_ATOM)
 
 /* ---- the fabric: a table in shared memory that every process of a test maps ---------------- */
 struct rdev {
@@ -314,14 +327,14 @@ int ibv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
 	a->page_size_cap = 4096;
 	a->vendor_id = 0x02c9;
 	a->max_qp = MAXQP;
-	a->max_qp_wr = MAX_QP_WR;
+	a->max_qp_wr = CAP_QP_WR;
 	a->max_sge = 30;
 	a->max_cq = 1024;
-	a->max_cqe = 4194303;
+	a->max_cqe = CAP_CQE;
 	a->max_mr = MAXMR;
 	a->max_pd = 1024;
-	a->max_qp_rd_atom = MAX_RD_ATOM;
-	a->max_qp_init_rd_atom = MAX_RD_ATOM;
+	a->max_qp_rd_atom = CAP_RD_ATOM;
+	a->max_qp_init_rd_atom = CAP_RD_ATOM;
 	a->max_pkeys = 1;
 	a->phys_port_cnt = 1;
 	return 0;
@@ -475,7 +488,7 @@ struct ibv_cq *ibv_create_cq(struct ibv_context *ctx, int cqe, void *cq_context,
 			     struct ibv_comp_channel *channel, int comp_vector)
 {
 	(void)comp_vector;
-	if (cqe < 1 || cqe > 4194303) {
+	if (cqe < 1 || cqe > CAP_CQE) {
 		errno = EINVAL;
 		return NULL;
 	}
@@ -504,7 +517,7 @@ struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *init)
 		errno = EOPNOTSUPP; /* the emulation models RC only */
 		return NULL;
 	}
-	if (!init->send_cq || !init->recv_cq || init->cap.max_send_wr > MAX_QP_WR ||
+	if (!init->send_cq || !init->recv_cq || init->cap.max_send_wr > (uint32_t)CAP_QP_WR ||
 	    init->cap.max_send_sge > 30 || init->cap.max_recv_sge > 30) {
 		errno = EINVAL;
 		return NULL;
@@ -545,6 +558,15 @@ struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *init)
 int ibv_destroy_qp(struct ibv_qp *qp)
 {
 	lock();
+	/* mlx5 cleans the CQ of a destroyed QP's completions (__mlx5_cq_clean): their slots free */
+	struct fcq *cq = (struct fcq *)qp->send_cq;
+	int kept = 0;
+	for (int i = 0; i < cq->count; i++) {
+		struct fcqe e = cq->ring[(cq->head + i) % cq->cq.cqe];
+		if (e.wc.qp_num != qp->qp_num)
+			cq->ring[(cq->head + kept++) % cq->cq.cqe] = e;
+	}
+	cq->count = kept;
 	memset(&fab->qp[qp->handle], 0, sizeof(struct rqp));
 	unlock();
 	free(qp);
@@ -593,9 +615,9 @@ int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *a, int mask)
 		rc = EINVAL;
 	if (!rc && (mask & IBV_QP_PATH_MTU) && (a->path_mtu < IBV_MTU_256 || a->path_mtu > IBV_MTU_4096))
 		rc = EINVAL;
-	if (!rc && (mask & IBV_QP_MAX_DEST_RD_ATOMIC) && a->max_dest_rd_atomic > MAX_RD_ATOM)
+	if (!rc && (mask & IBV_QP_MAX_DEST_RD_ATOMIC) && a->max_dest_rd_atomic > CAP_RD_ATOM)
 		rc = EINVAL;
-	if (!rc && (mask & IBV_QP_MAX_QP_RD_ATOMIC) && a->max_rd_atomic > MAX_RD_ATOM)
+	if (!rc && (mask & IBV_QP_MAX_QP_RD_ATOMIC) && a->max_rd_atomic > CAP_RD_ATOM)
 		rc = EINVAL;
 	if (!rc && (mask & IBV_QP_RETRY_CNT) && a->retry_cnt > 7)
 		rc = EINVAL;

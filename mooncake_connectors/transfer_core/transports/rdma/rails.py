@@ -91,9 +91,32 @@ class NicState:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.dead: MooncakeConnectorsError | None = None
+        # CQ slots not yet promised: every WR posted may end in a CQE (an error flushes all of
+        # them, signalled or not), so at most cq_size WRs are outstanding on this NIC's QPs
+        # together. A slot comes back when its WR's fate is known: vouched for by a completion,
+        # or its QP destroyed (which removes its CQEs from the CQ).
+        self.credits = nic.cq_size
         self.thread = threading.Thread(
             target=self._poll_loop, name=f"mc-rdma-poll-{nic.name}", daemon=True
         )
+
+    def take(self) -> bool:
+        """Promise one CQ slot to a WR about to be posted; False when the CQ could fill."""
+        with self.lock:
+            if self.credits <= 0:
+                return False
+            self.credits -= 1
+            return True
+
+    def give(self, n: int, kick: bool = True) -> None:
+        """``n`` CQ slots are free again; rails waiting for one post their queues."""
+        if n <= 0:
+            return
+        with self.lock:
+            self.credits += n
+        for rail in list(self.rails.values()) if kick else ():
+            if rail.queue:
+                rail.kick()
 
     def busy(self) -> bool:
         return any(r.outstanding for r in list(self.rails.values()))
@@ -205,10 +228,18 @@ class Rail:
         o = self.owner
         nic = self.nic.nic
         posted = False
-        while self.queue and len(self.outstanding) < o.max_wr:
+        limit = min(o.max_wr, nic.max_qp_wr)
+        while self.queue and len(self.outstanding) < limit and self.nic.take():
             wr = self.queue.popleft()
             self.posts += 1
-            signaled = self.posts % o.signal_every == 0 or not self.queue
+            # The last WR posted for now asks for a completion, or nothing would free its
+            # slots: the queue is empty, the QP is full, or the CQ has no slot left.
+            signaled = (
+                self.posts % o.signal_every == 0
+                or not self.queue
+                or len(self.outstanding) + 1 >= limit
+                or self.nic.credits == 0
+            )
             wr.wr_id = next(_ids)
             wr.posted_at = time.monotonic()
             if not self.outstanding:
@@ -227,11 +258,18 @@ class Rail:
                     signaled,
                 )
             except MooncakeConnectorsError as exc:
-                return exc
+                return exc  # broke() gives its slot back with the other outstanding ones
             posted = True
         if posted:
             self.nic.wake.set()
         return None
+
+    def kick(self) -> None:
+        """Post what waits in the queue (CQ slots came free on this NIC)."""
+        with self.lock:
+            failed = self._pump() if self.state == READY else None
+        if failed is not None:
+            self.broke(failed, cool=True)
 
     # -- connection -------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -299,7 +337,11 @@ class Rail:
                 self.measured = True
                 self.busy_since = now
             self.carried += len(ok)
+            freed = len(ok) + (bad is not None)
+            self.nic.give(freed, kick=False)  # this rail posts again just below, others after
             failed = self._pump() if bad is None and self.state == READY else None
+        if freed:
+            self._kick_others()
         for wr in ok:
             wr.end(None)
         if ok:
@@ -322,6 +364,11 @@ class Rail:
             return
         err = TransportBroken(f"completion status {status}", peer=self.peer, path=self.path)
         self.broke(err, cool=True, first=bad)
+
+    def _kick_others(self) -> None:
+        for rail in list(self.nic.rails.values()):
+            if rail is not self and rail.queue:
+                rail.kick()
 
     def check_timeout(self, now: float) -> None:
         with self.lock:
@@ -347,6 +394,7 @@ class Rail:
             self.nic.rails.pop(self.qpn, None)
             self.qpn = -1
             self.state = IDLE
+            held = len(self.outstanding)  # ``first`` gave its slot back in completed()
             orphans = ([first] if first is not None else []) + list(self.outstanding)
             orphans += list(self.queue)
             self.outstanding.clear()
@@ -354,7 +402,8 @@ class Rail:
             self.queued_bytes = 0
         if qp is not None:
             self.nic.nic.to_error(qp)
-            self.nic.nic.destroy(qp)
+            self.nic.nic.destroy(qp)  # its CQEs leave the CQ with it: their slots are free
+        self.nic.give(held)
         if cool:
             self.owner.rail_failed(self, err)
         for wr in orphans:

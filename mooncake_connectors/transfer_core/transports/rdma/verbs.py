@@ -76,6 +76,8 @@ MEMLOCK_FIX = (
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
 LINK_LAYER_INFINIBAND = 1  # IBV_LINK_LAYER_INFINIBAND (a #define in verbs.h, not in every pyverbs)
 LINK_LAYER_ETHERNET = 2  # IBV_LINK_LAYER_ETHERNET: RoCE
+CQ_ENTRIES = 4096  # the CQ of one NIC, or the device's max_cqe when smaller
+RD_ATOMIC = 16  # READs in flight per QP (ConnectX's max_qp_rd_atom), or the device's cap
 TRANSPORT_IB = 0  # IBV_TRANSPORT_IB: InfiniBand and RoCE; iWARP is 1, usNIC 2-3, EFA 4
 GID_TYPE_ROCE_V2 = 1  # IBV_GID_TYPE_SYSFS_ROCE_V2, what Context.query_gid_type answers
 _CAP_IPC_LOCK = 14
@@ -304,10 +306,21 @@ class Nic:
             if gid_index < 0:
                 self.gid_index = self.probe_gid(table_len)
             self.gid = str(self.ctx.query_gid(port, self.gid_index))
+            self._caps(self.ctx.query_device())
             self.pd = lib.PD(self.ctx)
-            self.cq = lib.CQ(self.ctx, 4096)
+            self.cq = lib.CQ(self.ctx, self.cq_size)
         except lib.PyverbsError as exc:
             raise ConfigError(f"RDMA device {name} cannot be opened: {exc}", nic=name) from None
+
+    def _caps(self, dev: Any) -> None:
+        """What this device allows, from ibv_query_device: a QP, CQ or rd_atomic depth above
+        the device's is refused (EINVAL) at create or connect time, and devices differ."""
+        self.max_qp_wr = max(1, int(dev.max_qp_wr))
+        # One CQ per NIC holds the completions of every QP on it; the rails bound what they
+        # post by it (NicState credits), so it cannot overrun.
+        self.cq_size = max(1, min(CQ_ENTRIES, int(dev.max_cqe)))
+        self.max_rd_atomic = max(1, min(RD_ATOMIC, int(dev.max_qp_init_rd_atom)))
+        self.max_dest_rd_atomic = max(1, min(RD_ATOMIC, int(dev.max_qp_rd_atom)))
 
     def _unsupported(self, transport: int, table_len: int) -> str | None:
         """Why this device cannot carry the transport's RC QPs (None: it can). They are brought
@@ -383,7 +396,9 @@ class Nic:
     # -- queue pairs ------------------------------------------------------------------------
     def create_qp(self, max_wr: int) -> Any:
         lib, e = self.lib, self.lib.e
-        cap = lib.QPCap(max_send_wr=max_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        cap = lib.QPCap(
+            max_send_wr=min(max_wr, self.max_qp_wr), max_recv_wr=1, max_send_sge=1, max_recv_sge=1
+        )
         init = lib.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
         try:
             return lib.QP(self.pd, init)
@@ -405,7 +420,7 @@ class Nic:
             attr.path_mtu = mtu
             attr.dest_qp_num = remote.qpn
             attr.rq_psn = remote.psn
-            attr.max_dest_rd_atomic = 16
+            attr.max_dest_rd_atomic = self.max_dest_rd_atomic
             attr.min_rnr_timer = 12
             gr = lib.GlobalRoute(dgid=lib.GID(remote.gid), sgid_index=self.gid_index)
             attr.ah_attr = lib.AHAttr(dlid=remote.lid, is_global=1, port_num=self.port, gr=gr)
@@ -415,7 +430,7 @@ class Nic:
             attr.timeout = 14
             attr.retry_cnt = 7
             attr.rnr_retry = 7
-            attr.max_rd_atomic = 16
+            attr.max_rd_atomic = self.max_rd_atomic
             qp.to_rts(attr)
         except lib.PyverbsError as exc:
             raise TransportBroken(f"cannot connect a QP on {self.name}: {exc}") from None
