@@ -400,3 +400,36 @@ def test_a_small_device_bounds_qps_and_the_cq(pairs: list[Pair], lib: Path) -> N
     stats = p.a.call("rail_stats", peer=p.b.segment)["stats"]
     assert sum(v["carried"] for v in stats.values()) >= 2 * SPAN // 4096, stats
     assert not any(v["cooling"] for v in stats.values()), stats
+
+
+def test_passive_qps_of_initiators_gone_are_reaped(pairs: list[Pair], lib: Path) -> None:
+    """b makes at most two QPs for peers (max_passive=2): a's, then c1's. c1 closes (its
+    segment leaves the metadata); c2 connects, and b destroys c1's QP instead of refusing c2,
+    which before stayed off rdma for good (here: with no tcp, its transfer failed). a's QP,
+    whose initiator is alive, stays and still carries data."""
+    devs = "mlx5_0:roce:4096"
+    p = Pair(lib, devs, devs, gid_index=3, max_passive=2)
+    pairs.append(p)
+
+    def initiator(host: int) -> Peer:
+        c = Peer(
+            env=fib.env(lib, devs, p.fabric, host),
+            metadata=p.srv.url,
+            transports=["rdma"],
+            transport_settings={"rdma": {"rail_timeout": 2.0, "gid_index": 3}},
+            timeout=10,
+        )
+        p.peers.append(c)
+        return c
+
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=4096)
+    c1 = initiator(3)
+    addr1 = c1.call("alloc", kind="numpy", size=SPAN, seed=5)["addr"]
+    c1.call("transfer", op="write", peer=p.b.segment, local=addr1, remote=p.addr_b, length=4096)
+    c1.close()
+    c2 = initiator(4)
+    addr2 = c2.call("alloc", kind="numpy", size=SPAN, seed=6)["addr"]
+    c2.call("transfer", op="write", peer=p.b.segment, local=addr2, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(c2, addr2, SPAN)
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)

@@ -24,6 +24,7 @@ from ....errors import (
     ConfigError,
     MooncakeConnectorsError,
     ProtocolError,
+    SegmentNotFound,
     TransportBroken,
     TransportClosed,
 )
@@ -40,7 +41,7 @@ from .topology import Topology
 from .verbs import Nic, QpAddr, Verbs
 
 log = logging.getLogger(__name__)
-_MAX_PASSIVE = 4096  # QPs peers may have us make; a flood of connects cannot exhaust the NIC
+_REAP_EVERY = 5.0  # seconds between sweeps for passive QPs of initiators gone
 
 
 class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
@@ -52,7 +53,9 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     GID, as Mooncake probes. slice_size: bytes
     per work request. max_wr: work requests in flight per QP. signal_every: ask for a completion
     every N requests. rail_timeout: seconds a rail may owe a completion before it is failed.
-    min_memlock: the locked-memory limit (bytes) below which start fails. gpu_mr: "auto"
+    min_memlock: the locked-memory limit (bytes) below which start fails. max_passive: QPs
+    peers may have us make (a flood of connects cannot exhaust the NIC); when full, those of
+    initiators whose segment is gone are destroyed. gpu_mr: "auto"
     (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read.
     """
 
@@ -65,6 +68,7 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     signal_every: int = 16
     rail_timeout: float = 2.0
     min_memlock: int = 64 * 1024 * 1024
+    max_passive: int = 4096
     gpu_mr: str = "auto"
     sysfs: str = "/sys"
 
@@ -74,6 +78,7 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
             (1 <= self.max_wr <= 16384, "max_wr must be in 1..16384"),
             (1 <= self.signal_every <= self.max_wr, "signal_every must be in 1..max_wr"),
             (self.rail_timeout > 0, "rail_timeout must be > 0"),
+            (self.max_passive >= 1, "max_passive must be >= 1"),
             (self.gid_index >= -1, "gid_index must be -1 (probe each NIC) or a table index"),
             (self.gpu_mr in ("auto", "dmabuf", "peermem"), "gpu_mr: auto, dmabuf or peermem"),
         )
@@ -117,6 +122,7 @@ class RdmaTransport(Transport, RailOwner):
         self._stop = threading.Event()
         self._server: TcpServer | None = None
         self._closed = False
+        self._reaped = -_REAP_EVERY
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> dict[str, str]:
@@ -410,12 +416,44 @@ class RdmaTransport(Transport, RailOwner):
             nic.destroy(qp)
             raise
         key = (req.segment, req.nic, req.peer_nic)
+        cap = self.settings.max_passive
         with self._lock:
             old = self._passive.pop(key, None)
-            if self._closed or len(self._passive) >= _MAX_PASSIVE:
+            full = len(self._passive) >= cap
+        if full:
+            self._reap_passive()
+        with self._lock:
+            if self._closed or len(self._passive) >= cap:
                 nic.destroy(qp)
                 raise ProtocolError("too many rdma connections")
             self._passive[key] = (nic, qp)
         if old is not None:
             old[0].destroy(old[1])
         return control.encode_reply(QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu))
+
+    def _reap_passive(self) -> None:
+        """Destroy the passive QPs of initiators whose segment is gone (a closed engine
+        unpublishes it): nothing on a target's QP shows that its initiator went away, so
+        without this a long-running target refuses every new peer once max_passive initiators
+        came and went. A sweep looks each initiator up, so it runs at most every _REAP_EVERY s;
+        an initiator whose lookup fails otherwise (metadata unreachable) keeps its QPs."""
+        now = time.monotonic()
+        if now - self._reaped < _REAP_EVERY:
+            return
+        self._reaped = now
+        with self._lock:
+            segments = {k[0] for k in self._passive}
+        gone = set()
+        for seg in segments:
+            try:
+                self.ctx.refresh_peer(seg)
+            except SegmentNotFound:
+                gone.add(seg)
+            except MooncakeConnectorsError:
+                continue
+        with self._lock:
+            dead = [self._passive.pop(k) for k in list(self._passive) if k[0] in gone]
+        for nic, qp in dead:
+            nic.destroy(qp)
+        if dead:
+            log.info("rdma: destroyed %d QPs of %d initiators gone", len(dead), len(gone))
