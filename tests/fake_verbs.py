@@ -204,9 +204,15 @@ class GlobalRoute:
 
 class AHAttr:
     def __init__(
-        self, dlid: int = 0, is_global: int = 0, port_num: int = 1, gr: GlobalRoute | None = None
+        self,
+        dlid: int = 0,
+        sl: int = 0,
+        is_global: int = 0,
+        port_num: int = 1,
+        gr: GlobalRoute | None = None,
     ) -> None:
         self.dlid, self.is_global, self.port_num, self.gr = dlid, is_global, port_num, gr
+        self.sl = sl
 
 
 class SGE:

@@ -433,3 +433,25 @@ def test_passive_qps_of_initiators_gone_are_reaped(pairs: list[Pair], lib: Path)
     assert _sha(p.b, p.addr_b, SPAN) == _sha(c2, addr2, SPAN)
     p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
     assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
+
+
+@pytest.mark.parametrize(
+    ("link", "env"),
+    [
+        ("roce:4096:routed", {"FAKE_IBV_TC": "106", "MC_IB_TC": "106"}),  # DSCP 26 << 2
+        ("ib:4096", {"FAKE_IBV_SL": "3", "MC_IB_SL": "3"}),
+    ],
+)
+def test_traffic_class_and_service_level_come_from_mc_ib_tc_and_sl(
+    pairs: list[Pair], lib: Path, link: str, env: dict[str, str]
+) -> None:
+    """The fabric carries one class only (a PFC/ECN-configured RoCE fabric's lossless DSCP,
+    an IB fabric's SL); the emulation drops the rest. MC_IB_TC / MC_IB_SL put every QP in it;
+    before, QPs used traffic class 0 and SL 0, every WR retried out and nothing moved."""
+    devs = f"mlx5_0:{link}"
+    p = Pair(lib, devs, devs, env)
+    pairs.append(p)
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
+    p.b.call("transfer", op="read", peer=p.a.segment, local=p.addr_b, remote=p.addr_a, length=SPAN)
+    assert p.carried(p.a, p.b) > 0 and p.carried(p.b, p.a) > 0

@@ -25,7 +25,8 @@
  *
  * Devices come from FAKE_IBV_DEVICES: "name:link:mtu[:flags]" comma-separated, link "roce", "ib",
  * "iwarp" (an RNIC: iWARP transport, Ethernet link) or "efa" (unspecified link and transport), mtu
- * in bytes (256..4096), flags "routed" (a routed fabric), "down" (port DOWN), "nogid" (an empty GID table), joined by +. FAKE_IBV_HOST (default: the pid) makes this process's GIDs and
+ * in bytes (256..4096); FAKE_IBV_TC / FAKE_IBV_SL: the one traffic class (RoCE) / service level
+ * (IB) the fabric carries, the rest is dropped (retried out); flags "routed" (a routed fabric), "down" (port DOWN), "nogid" (an empty GID table), joined by +. FAKE_IBV_HOST (default: the pid) makes this process's GIDs and
  * LIDs; FAKE_IBV_FABRIC names the fabric (a shared file in /dev/shm) processes meet on. The
  * one-sided data moves with process_vm_readv/writev into the peer process's registered memory.
  */
@@ -72,6 +73,7 @@ static int cap(const char *name, int dflt)
 /* ---- the fabric: a table in shared memory that every process of a test maps ---------------- */
 struct rdev {
 	int pid, link, mtu, lid, routed, down, nogid;
+	int lossless_tc, lossless_sl; /* -1, or the only class the fabric carries (FAKE_IBV_TC/SL) */
 	uint8_t gid[NGID][16];
 	int gid_type[NGID]; /* enum ibv_gid_type */
 };
@@ -80,7 +82,7 @@ struct rqp {
 	uint32_t qpn, pd, dest_qpn, rq_psn, sq_psn;
 	uint8_t dgid[16];
 	uint16_t dlid;
-	uint8_t timeout, retry_cnt;
+	uint8_t timeout, retry_cnt, traffic_class, sl;
 };
 struct rmr {
 	int pid, access;
@@ -176,6 +178,9 @@ static void load_devices(void)
 		r->routed = strstr(routed, "routed") != NULL;
 		r->down = strstr(routed, "down") != NULL;
 		r->nogid = strstr(routed, "nogid") != NULL; /* no address on the netdev: no GIDs */
+		const char *tc = getenv("FAKE_IBV_TC"), *sl = getenv("FAKE_IBV_SL");
+		r->lossless_tc = tc && *tc ? atoi(tc) : -1;
+		r->lossless_sl = sl && *sl ? atoi(sl) : -1;
 		r->lid = r->link == LINK_IB ? 1 + ((host * 8 + ndevs) % 0xbffe) : 0;
 		for (int g = 0; g < NGID; g++) {
 			uint8_t *gid = r->gid[g];
@@ -651,6 +656,8 @@ int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *a, int mask)
 			r->is_global = a->ah_attr.is_global;
 			r->sgid_index = a->ah_attr.grh.sgid_index;
 			r->dlid = a->ah_attr.dlid;
+			r->sl = a->ah_attr.sl;
+			r->traffic_class = a->ah_attr.grh.traffic_class;
 			memcpy(r->dgid, a->ah_attr.grh.dgid.raw, 16);
 		}
 		if (next == IBV_QPS_RESET)
@@ -679,6 +686,8 @@ int ibv_query_qp(struct ibv_qp *qp, struct ibv_qp_attr *a, int mask, struct ibv_
 	a->retry_cnt = r->retry_cnt;
 	a->ah_attr.is_global = r->is_global;
 	a->ah_attr.dlid = r->dlid;
+	a->ah_attr.sl = r->sl;
+	a->ah_attr.grh.traffic_class = r->traffic_class;
 	a->ah_attr.grh.sgid_index = r->sgid_index;
 	memcpy(a->ah_attr.grh.dgid.raw, r->dgid, 16);
 	unlock();
@@ -718,6 +727,12 @@ static struct rqp *route(struct rqp *me)
 			if (stype == IBV_GID_TYPE_ROCE_V1 && (src->routed || dst->routed))
 				return NULL; /* RoCE v1 is L2 only: a routed fabric drops it */
 		}
+		/* A fabric whose one lossless class is set (PFC/ECN on that DSCP, or that SL on IB)
+		 * drops what travels outside it, as congestion drops it on a loaded lossy queue. */
+		if (src->link == LINK_ETH && src->lossless_tc >= 0 && me->traffic_class != src->lossless_tc)
+			return NULL;
+		if (src->link == LINK_IB && src->lossless_sl >= 0 && me->sl != src->lossless_sl)
+			return NULL;
 		if ((q->state != IBV_QPS_RTR && q->state != IBV_QPS_RTS) || q->dest_qpn != me->qpn)
 			return NULL; /* not connected back to us: NAK'd or dropped, retried until exhausted */
 		return q;

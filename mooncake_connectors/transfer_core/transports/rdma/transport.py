@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from ....config import EngineConfig
+from ....config import EngineConfig, ib_qos_from_env
 from ....errors import (
     AccessViolation,
     ConfigError,
@@ -55,7 +55,9 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     every N requests. rail_timeout: seconds a rail may owe a completion before it is failed.
     min_memlock: the locked-memory limit (bytes) below which start fails. max_passive: QPs
     peers may have us make (a flood of connects cannot exhaust the NIC); when full, those of
-    initiators whose segment is gone are destroyed. gpu_mr: "auto"
+    initiators whose segment is gone are destroyed. traffic_class / service_level: the RoCE
+    GRH traffic class and the IB service level of every QP; -1 takes MC_IB_TC / MC_IB_SL, else
+    0 (DSCP 0 is the lossy class on PFC/ECN fabrics, so RoCE deployments set it). gpu_mr: "auto"
     (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read.
     """
 
@@ -69,6 +71,8 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     rail_timeout: float = 2.0
     min_memlock: int = 64 * 1024 * 1024
     max_passive: int = 4096
+    traffic_class: int = -1
+    service_level: int = -1
     gpu_mr: str = "auto"
     sysfs: str = "/sys"
 
@@ -79,6 +83,8 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
             (1 <= self.signal_every <= self.max_wr, "signal_every must be in 1..max_wr"),
             (self.rail_timeout > 0, "rail_timeout must be > 0"),
             (self.max_passive >= 1, "max_passive must be >= 1"),
+            (-1 <= self.traffic_class <= 255, "traffic_class must be -1 (MC_IB_TC) or 0..255"),
+            (-1 <= self.service_level <= 15, "service_level must be -1 (MC_IB_SL) or 0..15"),
             (self.gid_index >= -1, "gid_index must be -1 (probe each NIC) or a table index"),
             (self.gpu_mr in ("auto", "dmabuf", "peermem"), "gpu_mr: auto, dmabuf or peermem"),
         )
@@ -135,6 +141,9 @@ class RdmaTransport(Transport, RailOwner):
                 raise ConfigError(f"rdma nics {unknown} not found; this host has {names}")
             names = list(st.nics)
         verbs.check_memlock(st.min_memlock)
+        env = ib_qos_from_env()
+        tc = st.traffic_class if st.traffic_class >= 0 else env.get("traffic_class", 0)
+        sl = st.service_level if st.service_level >= 0 else env.get("service_level", 0)
         opened: list[Nic] = []
         errors: list[str] = []
         for name in names:
@@ -147,6 +156,7 @@ class RdmaTransport(Transport, RailOwner):
         for msg in errors:
             log.warning("rdma: skipping a device: %s", msg)
         for nic in opened:
+            nic.traffic_class, nic.service_level = tc, sl
             state = NicState(nic, self._stop)
             self.nics[nic.name] = state
             state.thread.start()

@@ -284,6 +284,8 @@ class Nic:
         self.port = port
         self.gid_index = gid_index
         self.lock = threading.Lock()  # post_send and poll are not safe to call concurrently
+        self.traffic_class = 0  # the GRH's, on RoCE: DSCP << 2 (the transport sets both)
+        self.service_level = 0  # the LRH's, on InfiniBand
         try:
             self.ctx = lib.Context(name=name)
             attr = self.ctx.query_port(port)
@@ -422,8 +424,14 @@ class Nic:
             attr.rq_psn = remote.psn
             attr.max_dest_rd_atomic = self.max_dest_rd_atomic
             attr.min_rnr_timer = 12
-            gr = lib.GlobalRoute(dgid=lib.GID(remote.gid), sgid_index=self.gid_index)
-            attr.ah_attr = lib.AHAttr(dlid=remote.lid, is_global=1, port_num=self.port, gr=gr)
+            gr = lib.GlobalRoute(
+                dgid=lib.GID(remote.gid),
+                sgid_index=self.gid_index,
+                traffic_class=self.traffic_class,
+            )
+            attr.ah_attr = lib.AHAttr(
+                dlid=remote.lid, sl=self.service_level, is_global=1, port_num=self.port, gr=gr
+            )
             qp.to_rtr(attr)
             attr = lib.QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RTR)
             attr.sq_psn = psn
