@@ -62,6 +62,13 @@ def new_fabric() -> str:
 
 def drop_fabric(fabric: str) -> None:
     Path(f"/dev/shm/fake-ibverbs-{fabric}").unlink(missing_ok=True)
+    for f in Path("/dev/shm").glob(f"fake-ibverbs-{fabric}.*.down"):
+        f.unlink(missing_ok=True)
+
+
+def port_down_file(fabric: str, host: int, nic: str) -> Path:
+    """While this file exists, port 1 of ``nic`` of host ``host`` is DOWN (the cable pulled)."""
+    return Path(f"/dev/shm/fake-ibverbs-{fabric}.{host}.{nic}.down")
 
 
 def env(

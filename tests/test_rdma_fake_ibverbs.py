@@ -21,7 +21,7 @@ from typing import Any
 import fake_ibverbs_lib as fib
 import msgspec
 import pytest
-from helpers import Peer, pattern
+from helpers import Peer, pattern, wait_until
 
 from mooncake_connectors.transfer_core.descriptor import RegionDesc, SegmentDesc, encode_segment
 from mooncake_connectors.transfer_core.metadata.base import SEGMENT_PREFIX
@@ -455,3 +455,38 @@ def test_traffic_class_and_service_level_come_from_mc_ib_tc_and_sl(
     assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
     p.b.call("transfer", op="read", peer=p.a.segment, local=p.addr_b, remote=p.addr_a, length=SPAN)
     assert p.carried(p.a, p.b) > 0 and p.carried(p.b, p.a) > 0
+
+
+def test_a_port_that_goes_down_is_left_out_until_it_is_back(pairs: list[Pair], lib: Path) -> None:
+    """a's mlx5_0 loses its link after carrying data (a NIC retries 16 s here, retry scale 30).
+    Before, nothing watched the port: its rails stayed up, and the next WRs posted on mlx5_0
+    hung in retries until the engine gave up on them (the transfer took about 10 s more).
+    Now the port's state is followed: its rails go down with it, the data takes mlx5_1 at
+    once, and once the port is back mlx5_0 carries again."""
+    devs = "mlx5_0:roce:4096,mlx5_1:roce:4096"
+    slow = {"FAKE_IBV_RETRY_SCALE": "30"}
+    p = Pair(lib, devs, "mlx5_0:roce:4096", slow, gid_index=3, rail_timeout=30.0)
+    pairs.append(p)
+
+    def write() -> dict[str, float]:
+        p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b,
+                 length=SPAN, timeout=20)  # fmt: skip
+        stats = p.a.call("rail_stats", peer=p.b.segment)["stats"]
+        return {k: v["carried"] for k, v in stats.items()}
+
+    first = write()
+    assert first["mlx5_0>mlx5_0"] > 0 and first["mlx5_1>mlx5_0"] > 0, first
+    down = fib.port_down_file(p.fabric, 1, "mlx5_0")
+    down.touch()
+
+    def cooling() -> bool:
+        stats = p.a.call("rail_stats", peer=p.b.segment)["stats"]
+        return bool(stats["mlx5_0>mlx5_0"]["cooling"])
+
+    wait_until(cooling, 10, "a's mlx5_0 rail to go down with its port")
+    second = write()
+    assert second["mlx5_0>mlx5_0"] == first["mlx5_0>mlx5_0"], second
+    assert second["mlx5_1>mlx5_0"] > first["mlx5_1>mlx5_0"], second
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
+    down.unlink()
+    wait_until(lambda: write()["mlx5_0>mlx5_0"] > second["mlx5_0>mlx5_0"], 20, "mlx5_0 back")

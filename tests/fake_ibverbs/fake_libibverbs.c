@@ -73,6 +73,8 @@ static int cap(const char *name, int dflt)
 /* ---- the fabric: a table in shared memory that every process of a test maps ---------------- */
 struct rdev {
 	int pid, link, mtu, lid, routed, down, nogid;
+	int host;
+	char name[64];
 	int lossless_tc, lossless_sl; /* -1, or the only class the fabric carries (FAKE_IBV_TC/SL) */
 	uint8_t gid[NGID][16];
 	int gid_type[NGID]; /* enum ibv_gid_type */
@@ -177,6 +179,8 @@ static void load_devices(void)
 		r->mtu = mtu_enum(mtu);
 		r->routed = strstr(routed, "routed") != NULL;
 		r->down = strstr(routed, "down") != NULL;
+		r->host = host;
+		snprintf(r->name, sizeof(r->name), "%s", name);
 		r->nogid = strstr(routed, "nogid") != NULL; /* no address on the netdev: no GIDs */
 		const char *tc = getenv("FAKE_IBV_TC"), *sl = getenv("FAKE_IBV_SL");
 		r->lossless_tc = tc && *tc ? atoi(tc) : -1;
@@ -209,6 +213,19 @@ static void load_devices(void)
 	}
 	unlock();
 	free(spec);
+}
+
+/* A port goes DOWN at run time while /dev/shm/fake-ibverbs-FABRIC.HOST.NAME.down exists (a
+ * test pulls the cable by creating it): its WRs are not delivered, query_port says DOWN. */
+static int port_down(struct rdev *r)
+{
+	if (r->down)
+		return 1;
+	const char *f = getenv("FAKE_IBV_FABRIC");
+	char path[256];
+	snprintf(path, sizeof(path), "/dev/shm/fake-ibverbs-%s.%d.%s.down", f && *f ? f : "default",
+		 r->host, r->name);
+	return access(path, F_OK) == 0;
 }
 
 static struct fdev *fdev_of(struct ibv_device *dev) { return (struct fdev *)dev; }
@@ -353,7 +370,8 @@ int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct _compat_ibv_por
 	if (port != 1)
 		return EINVAL;
 	struct rdev *r = rdev_of(ctx);
-	a->state = r->down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
+	int down = port_down(r);
+	a->state = down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
 	a->max_mtu = IBV_MTU_4096;
 	a->active_mtu = r->mtu;
 	a->gid_tbl_len = ngid(r);
@@ -362,7 +380,7 @@ int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct _compat_ibv_por
 	a->lid = r->lid;
 	a->link_layer = r->link == LINK_IB ? IBV_LINK_LAYER_INFINIBAND
 			: r->link == LINK_ETH ? IBV_LINK_LAYER_ETHERNET : IBV_LINK_LAYER_UNSPECIFIED;
-	a->phys_state = r->down ? 3 : 5; /* Disabled, LinkUp */
+	a->phys_state = down ? 3 : 5; /* Disabled, LinkUp */
 	a->active_width = 2;
 	a->active_speed = 32;
 	return 0;
@@ -713,7 +731,7 @@ static struct rqp *route(struct rqp *me)
 		if (q->qpn != me->dest_qpn || !alive(q->pid))
 			continue;
 		struct rdev *dst = &fab->dev[q->dev];
-		if (!alive(dst->pid) || dst->link != src->link)
+		if (!alive(dst->pid) || dst->link != src->link || port_down(src) || port_down(dst))
 			return NULL;
 		if (src->link == LINK_IB && me->dlid != dst->lid)
 			return NULL;

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 IDLE, CONNECTING, READY = 0, 1, 2
+PORT_CHECK = 0.5  # seconds between looks at each NIC's port state
 
 
 class Work:
@@ -91,6 +92,7 @@ class NicState:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.dead: MooncakeConnectorsError | None = None
+        self.down = False  # the port is not ACTIVE (polled; it may come back)
         # CQ slots not yet promised: every WR posted may end in a CQE (an error flushes all of
         # them, signalled or not), so at most cq_size WRs are outstanding on this NIC's QPs
         # together. A slot comes back when its WR's fate is known: vouched for by a completion,
@@ -140,10 +142,32 @@ class NicState:
                 rail.completed(cs)
         return bool(comps)
 
+    def check_port(self) -> None:
+        """Follow the port's state. Async events (port down, device fatal) are not read:
+        pyverbs' Context.get_async_event blocks in ibv_get_async_event holding the GIL, and
+        pyverbs exposes no async fd to wait on first, so a thread reading them would stall
+        every Python thread until an event came. The port state is polled instead: while it
+        is not ACTIVE the NIC's rails are taken down and none is picked."""
+        down = not self.nic.port_active()
+        if down == self.down:
+            return
+        self.down = down
+        if not down:
+            log.info("rdma NIC %s port %d is ACTIVE again", self.nic.name, self.nic.port)
+            return
+        log.warning(
+            "rdma NIC %s port %d is down: its rails are left out", self.nic.name, self.nic.port
+        )
+        for rail in list(self.rails.values()):
+            rail.broke(TransportBroken(f"NIC {self.nic.name} port down"), cool=True)
+
     def _poll_loop(self) -> None:
         idle = 0
-        checked = time.monotonic()
+        checked = ported = time.monotonic()
         while not self.stop.is_set() and self.dead is None:
+            if time.monotonic() - ported > PORT_CHECK:
+                ported = time.monotonic()
+                self.check_port()
             if not self.busy():
                 self.wake.wait(0.2)
                 self.wake.clear()

@@ -266,6 +266,7 @@ class RdmaTransport(Transport, RailOwner):
             if r.remote_nic in wr.rkeys
             and r.id not in wr.tried
             and r.nic.dead is None
+            and not r.nic.down
             and self.health.usable(r.key, now)
         ]
         near = [r for r in ok if r.nic.nic.name in wr.work.preferred]

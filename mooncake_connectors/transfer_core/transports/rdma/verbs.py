@@ -340,6 +340,13 @@ class Nic:
             return "has an empty GID table (no IP address on its netdev?)"
         return None
 
+    def port_active(self) -> bool:
+        """Is the port ACTIVE now? False too when the device no longer answers."""
+        try:
+            return int(self.ctx.query_port(self.port).state) == PORT_ACTIVE
+        except self.lib.PyverbsError:
+            return False
+
     def probe_gid(self, table_len: int) -> int:
         """This NIC's best source GID index. InfiniBand routes by LID: index 0, the port GID.
         RoCE: the table's best entry by _gid_rank (index 0 on mlx5 is RoCE v1 link-local, which
