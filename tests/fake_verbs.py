@@ -14,7 +14,8 @@ Configured from the environment, so peer processes get the same fabric:
                    CPU cost of the code above the verbs: a NIC moves the bytes without it)
 Faults are injected on this process's devices: ``device(name).fail(n, status)``,
 ``.qps_to_error()``, ``.vanish()``, ``.latency = seconds``.
-A DmaBufMR is registered at its iova and its bytes are read there as host memory.
+A DmaBufMR takes pyverbs' arguments (no iova: it starts at iova = offset, as pyverbs' does); this
+stand-in maps no dma-buf, so its bytes are not reachable here (tests/fake_ibverbs moves them).
 """
 
 from __future__ import annotations
@@ -141,10 +142,8 @@ class MR:
 
 
 class DmaBufMR(MR):
-    def __init__(
-        self, pd: PD, length: int, access: int, dmabuf: int = -1, offset: int = 0, iova: int = 0
-    ) -> None:
-        super().__init__(pd, length, access, address=iova)
+    def __init__(self, pd: PD, length: int, access: int, dmabuf: int = -1, offset: int = 0) -> None:
+        super().__init__(pd, length, access, address=offset)
         self.dmabuf, self.offset = dmabuf, offset
 
 

@@ -89,7 +89,9 @@ struct rqp {
 struct rmr {
 	int pid, access;
 	uint32_t rkey, pd;
-	uint64_t addr, length;
+	uint64_t addr, length; /* the MR's iova range: what lkeys and rkeys address */
+	uint64_t base;	       /* where its bytes are in the owner's memory (a dma-buf's mapping) */
+	uint64_t map_len;      /* a dma-buf MR's mapping, unmapped at dereg */
 };
 struct fabric {
 	uint32_t magic, next_id;
@@ -481,8 +483,43 @@ struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t length, ui
 	mr->length = length;
 	mr->handle = slot;
 	mr->lkey = mr->rkey = new_id() << 8 | 0x5a; /* lkey = rkey, as mlx5 */
-	fab->mr[slot] = (struct rmr){getpid(), (int)access, mr->rkey, pd->handle, (uintptr_t)addr, length};
+	fab->mr[slot] = (struct rmr){getpid(), (int)access, mr->rkey, pd->handle, (uintptr_t)addr, length,
+				     (uintptr_t)addr, 0};
 	unlock();
+	return mr;
+}
+
+/* A dma-buf MR, as the kernel makes one: the pages of [offset, offset + length) of the dma-buf
+ * ``fd``, addressed at ``iova``. The emulation maps the fd (the fake CUDA driver's device memory
+ * is a memfd) so that WRs reach those pages; pyverbs' DmaBufMR passes iova = offset. */
+struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length, uint64_t iova,
+				 int fd, int access)
+{
+	if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) && !(access & IBV_ACCESS_LOCAL_WRITE)) {
+		errno = EINVAL;
+		return NULL;
+	}
+	const char *no = getenv("FAKE_IBV_NO_DMABUF");
+	if (no && *no && *no != '0') {
+		errno = EOPNOTSUPP; /* a device (or kernel) that cannot import dma-bufs */
+		return NULL;
+	}
+	size_t map_len = offset + length;
+	void *map = length ? mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+	if (map == MAP_FAILED) {
+		errno = EINVAL; /* not a dma-buf this device can import */
+		return NULL;
+	}
+	struct ibv_mr *mr = ibv_reg_mr(pd, (char *)map + offset, length, access);
+	if (!mr) {
+		munmap(map, map_len);
+		return NULL;
+	}
+	lock();
+	fab->mr[mr->handle].addr = iova;
+	fab->mr[mr->handle].map_len = map_len;
+	unlock();
+	mr->addr = (void *)(uintptr_t)iova;
 	return mr;
 }
 struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access)
@@ -492,7 +529,10 @@ struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int acce
 int ibv_dereg_mr(struct ibv_mr *mr)
 {
 	lock();
-	memset(&fab->mr[mr->handle], 0, sizeof(struct rmr));
+	struct rmr *r = &fab->mr[mr->handle];
+	if (r->map_len) /* a dma-buf MR: its mapping starts map_len - length before its pages */
+		munmap((char *)(uintptr_t)r->base - (r->map_len - r->length), r->map_len);
+	memset(r, 0, sizeof(struct rmr));
 	unlock();
 	free(mr);
 	return 0;
@@ -808,7 +848,8 @@ static int execute(struct ibv_qp *qp, struct rqp *me, struct ibv_send_wr *wr, do
 	if (!r || r->pd != peer->pd || !(r->access & need) || !(peer->access & need) ||
 	    wr->wr.rdma.remote_addr < r->addr || wr->wr.rdma.remote_addr + sge->length > r->addr + r->length)
 		return IBV_WC_REM_ACCESS_ERR;
-	if (move(peer->pid, wr->wr.rdma.remote_addr, (void *)(uintptr_t)sge->addr, sge->length, write))
+	void *local = (void *)(uintptr_t)(l->base + (sge->addr - l->addr));
+	if (move(peer->pid, r->base + (wr->wr.rdma.remote_addr - r->addr), local, sge->length, write))
 		return IBV_WC_REM_ACCESS_ERR;
 	me->sq_psn = (me->sq_psn + npkt) & 0xffffff;
 	peer->rq_psn = (peer->rq_psn + npkt) & 0xffffff;

@@ -38,7 +38,6 @@ NOSYS_PTR(ibv_qp_to_qp_ex, void *a)
 NOSYS_INT(ibv_query_ece, void *a, void *b)
 NOSYS_INT(ibv_set_ece, void *a, void *b)
 int ibv_query_qp_data_in_order(void *qp, int op, uint32_t flags) { (void)qp, (void)op, (void)flags; return 0; }
-NOSYS_PTR(ibv_reg_dmabuf_mr, void *a, uint64_t b, size_t c, uint64_t d, int e, int f)
 NOSYS_INT(ibv_rereg_mr, void *a, int b, void *c, void *d, size_t e, int f)
 /* what the real librdmacm.so.1 (loaded by pyverbs' cmid module) binds against */
 NOSYS_INT(ibv_attach_mcast, void *a, void *b, uint16_t c)

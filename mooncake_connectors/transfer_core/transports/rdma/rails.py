@@ -73,6 +73,7 @@ class WR:
     length: int
     mr: LocalMr
     rkeys: dict[str, int]
+    shift: dict[str, int]  # remote NIC -> what to add to raddr (a dma-buf MR's iova)
     tried: set[int] = dataclasses.field(default_factory=set)  # rails it was posted on (ids)
     wr_id: int = 0
     posted_at: float = 0.0
@@ -274,10 +275,10 @@ class Rail:
                     self.qp,
                     wr.wr_id,
                     wr.work.slice.op is TransferOp.WRITE,
-                    wr.laddr,
+                    wr.mr.local_addr(nic.name, wr.laddr),
                     wr.length,
                     wr.mr.lkey(nic.name),
-                    wr.raddr,
+                    wr.raddr + wr.shift.get(self.remote_nic, 0),
                     wr.rkeys[self.remote_nic],
                     signaled,
                 )

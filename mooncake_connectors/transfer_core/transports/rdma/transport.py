@@ -180,7 +180,8 @@ class RdmaTransport(Transport, RailOwner):
         kind = region.to_desc().kind
         if kind not in (LocationKind.CPU, LocationKind.CUDA):
             return {}
-        return {"rdma_rkeys": self.registry.get(region).rkeys()}
+        mr = self.registry.get(region)
+        return {"rdma_rkeys": mr.rkeys(), "rdma_iova": dict(mr.iova)}
 
     def local_changed(self, epoch: int) -> None:
         """Deregister the MRs of regions that were unregistered, once nothing uses them."""
@@ -344,8 +345,10 @@ class RdmaTransport(Transport, RailOwner):
         near = frozenset(self.topology.preferred(local.location, list(self.nics)))
         work = Work(s, -(-s.length // size), near, peer)
         rkeys = region.rdma_rkeys
+        # a peer's dma-buf MR is addressed from its iova: the shift from its address, per NIC
+        shift = {n: base - region.addr for n, base in region.rdma_iova.items()}
         wrs = [
-            WR(work, s.local_addr + o, s.remote_addr + o, min(size, s.length - o), mr, rkeys)
+            WR(work, s.local_addr + o, s.remote_addr + o, min(size, s.length - o), mr, rkeys, shift)
             for o in range(0, s.length, size)
         ]
         mr.acquire(len(wrs))

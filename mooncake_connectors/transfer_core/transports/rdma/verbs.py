@@ -379,20 +379,19 @@ class Nic:
         except self.lib.PyverbsError as exc:
             raise self._reg_error(exc, addr, length) from None
 
-    def reg_dmabuf_mr(self, fd: int, offset: int, length: int, addr: int, access: int) -> Any:
-        """A dma-buf MR over device memory, addressed by peers at ``addr`` (its iova)."""
+    def reg_dmabuf_mr(
+        self, fd: int, offset: int, length: int, addr: int, access: int
+    ) -> tuple[Any, int]:
+        """A dma-buf MR over device memory ``[addr, addr + length)``, and the iova it starts at.
+        pyverbs' DmaBufMR (rdma-core 34..64) takes no iova and registers at iova = ``offset``,
+        so work requests address it from there, not by ``addr``, on both sides."""
         if self.lib.DmaBufMR is None:
             raise ConfigError("this pyverbs has no DmaBufMR (rdma-core >= 34 has it)")
         try:
-            return self.lib.DmaBufMR(self.pd, length, access, dmabuf=fd, offset=offset, iova=addr)
-        except TypeError:
-            raise ConfigError(
-                "this pyverbs' DmaBufMR cannot place an MR at the tensor's address (no iova "
-                "argument): load nvidia-peermem and set transport_settings['rdma']['gpu_mr'] "
-                "to 'peermem'"
-            ) from None
+            mr = self.lib.DmaBufMR(self.pd, length, access, dmabuf=fd, offset=offset)
         except self.lib.PyverbsError as exc:
             raise self._reg_error(exc, addr, length) from None
+        return mr, offset
 
     def _reg_error(self, exc: Exception, addr: int, length: int) -> ConfigError:
         code = getattr(exc, "error_code", -1)
