@@ -62,7 +62,7 @@ def main() -> None:
                 else:
                     arr = pattern(seed, size)
                     access = Access.READ if kind == "readonly" else Access.READ_WRITE
-                    engine.register(arr, access=access)
+                    engine.register(arr, access=access, location=msg.get("location"))
                     addr = int(arr.ctypes.data)
                     keep[addr] = arr
                 reply = {"addr": addr}

@@ -520,3 +520,41 @@ def test_gpu_memory_gets_a_dma_buf_mr_addressed_by_its_iova(
     c.call("transfer", op="write", peer=p.b.segment, local=gpu, remote=p.addr_b, length=SPAN)
     assert _sha(p.b, p.addr_b, SPAN) == _sha(c, gpu, SPAN)
     assert c.call("fake_calls")["calls"].get("dmabuf_export", 0) >= 1
+
+
+def _two_socket_sysfs(root: Path) -> Path:
+    """A sysfs tree where mlx5_0 sits on NUMA node 0 and mlx5_1 on node 1 (other host bridge)."""
+    for name, path, numa in (
+        ("mlx5_0", "pci0000:00/0000:00:01.0/0000:01:00.0", 0),
+        ("mlx5_1", "pci0000:80/0000:80:01.0/0000:81:00.0", 1),
+    ):
+        d = root / "devices" / path
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text(f"{numa}\n")
+        ib = root / "class" / "infiniband" / name
+        ib.mkdir(parents=True)
+        (ib / "device").symlink_to(d)
+    return root
+
+
+def test_the_remote_nic_is_the_one_nearest_the_remote_memory(
+    pairs: list[Pair], lib: Path, tmp_path: Path
+) -> None:
+    """Both hosts have mlx5_0 on NUMA node 0 and mlx5_1 on node 1. a's memory is on node 0,
+    b's region on node 1, which b publishes (rdma_near). Every WR takes a's mlx5_0 to b's
+    mlx5_1. Before, only the local side was chosen by topology; the remote NIC was whichever
+    rail predicted the earliest finish, so about half the bytes crossed b's sockets."""
+    devs = "mlx5_0:roce:4096,mlx5_1:roce:4096"
+    p = Pair(lib, devs, devs, gid_index=3, sysfs=str(_two_socket_sysfs(tmp_path)))
+    pairs.append(p)
+    far = p.b.call("alloc", kind="numpy", size=SPAN, seed=8, location="cpu:1")["addr"]
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=far, length=SPAN)
+    assert _sha(p.b, far, SPAN) == _sha(p.a, p.addr_a, SPAN)
+    stats = p.a.call("rail_stats", peer=p.b.segment)["stats"]
+    carried = {k: v["carried"] for k, v in stats.items()}
+    assert carried == {
+        "mlx5_0>mlx5_0": 0,
+        "mlx5_0>mlx5_1": SPAN // (64 << 10),
+        "mlx5_1>mlx5_0": 0,
+        "mlx5_1>mlx5_1": 0,
+    }, carried

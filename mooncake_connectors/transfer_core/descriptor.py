@@ -56,6 +56,8 @@ class RegionDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     rdma_rkeys: dict[str, int] = {}
     # NIC name -> the iova the region starts at in its MR, where it is not ``addr`` (dma-buf)
     rdma_iova: dict[str, int] = {}
+    # NIC name -> 1 for the owner's NICs nearest the region (PCIe/NUMA), when not all are
+    rdma_near: dict[str, int] = {}
     cuda_device: int = -1
     cuda_exports: list[CudaExport] = []
 

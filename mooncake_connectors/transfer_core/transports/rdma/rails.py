@@ -42,15 +42,23 @@ PORT_CHECK = 0.5  # seconds between looks at each NIC's port state
 class Work:
     """One attempt of one engine slice: done when all its work requests are."""
 
-    __slots__ = ("done", "left", "lock", "peer", "preferred", "slice")
+    __slots__ = ("done", "left", "lock", "peer", "preferred", "remote_near", "slice")
 
-    def __init__(self, s: Slice, n: int, preferred: frozenset[str], peer: Any) -> None:
+    def __init__(
+        self,
+        s: Slice,
+        n: int,
+        preferred: frozenset[str],
+        peer: Any,
+        remote_near: frozenset[str] = frozenset(),
+    ) -> None:
         self.slice = s
         self.peer = peer  # the transport's view of the peer (its rails)
         self.left = n
         self.done = False
         self.lock = threading.Lock()
         self.preferred = preferred  # local NICs nearest the local memory
+        self.remote_near = remote_near  # the peer's NICs nearest the remote memory (or none)
 
     def finish_one(self, err: MooncakeConnectorsError | None) -> None:
         with self.lock:

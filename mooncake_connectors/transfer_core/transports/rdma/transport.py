@@ -181,7 +181,14 @@ class RdmaTransport(Transport, RailOwner):
         if kind not in (LocationKind.CPU, LocationKind.CUDA):
             return {}
         mr = self.registry.get(region)
-        return {"rdma_rkeys": mr.rkeys(), "rdma_iova": dict(mr.iova)}
+        names = list(self.nics)
+        near = self.topology.preferred(region.location, names)
+        return {
+            "rdma_rkeys": mr.rkeys(),
+            "rdma_iova": dict(mr.iova),
+            # peers aim at these NICs: a far one DMAs across the host bridge or the sockets
+            "rdma_near": {n: 1 for n in near} if len(near) < len(names) else {},
+        }
 
     def local_changed(self, epoch: int) -> None:
         """Deregister the MRs of regions that were unregistered, once nothing uses them."""
@@ -272,6 +279,9 @@ class RdmaTransport(Transport, RailOwner):
         ]
         near = [r for r in ok if r.nic.nic.name in wr.work.preferred]
         pool = near or ok
+        # and the remote NICs nearest the remote memory, as its owner published them
+        if wr.work.remote_near:
+            pool = [r for r in pool if r.remote_nic in wr.work.remote_near] or pool
         if not pool:
             return None
         if extra is None:
@@ -343,7 +353,7 @@ class RdmaTransport(Transport, RailOwner):
             raise AccessViolation("local range is not registered", peer=name, path="rdma")
         mr = self.registry.get(local)
         near = frozenset(self.topology.preferred(local.location, list(self.nics)))
-        work = Work(s, -(-s.length // size), near, peer)
+        work = Work(s, -(-s.length // size), near, peer, frozenset(region.rdma_near))
         rkeys = region.rdma_rkeys
         # a peer's dma-buf MR is addressed from its iova: the shift from its address, per NIC
         shift = {n: base - region.addr for n, base in region.rdma_iova.items()}
