@@ -45,7 +45,13 @@ class Pair:
     """Two engine processes, a (here) and b, each with its own emulated NICs on one fabric."""
 
     def __init__(
-        self, lib: Path, devs_a: str, devs_b: str, caps: dict[str, str] | None = None, **rdma: Any
+        self,
+        lib: Path,
+        devs_a: str,
+        devs_b: str,
+        caps: dict[str, str] | None = None,
+        only_b: dict[str, Any] | None = None,
+        **rdma: Any,
     ) -> None:
         self.fabric = fib.new_fabric()
         self.srv = MetadataHTTPServer("127.0.0.1", 0).start()
@@ -56,7 +62,13 @@ class Pair:
                     env={**fib.env(lib, devs, self.fabric, host), **(caps or {})},
                     metadata=self.srv.url,
                     transports=["rdma"],  # no tcp to fall back to: what moves, moved by rdma
-                    transport_settings={"rdma": {"rail_timeout": 2.0, **rdma}},
+                    transport_settings={
+                        "rdma": {
+                            "rail_timeout": 2.0,
+                            **rdma,
+                            **((only_b or {}) if host == 2 else {}),
+                        }
+                    },
                     timeout=10,
                 )
             )
@@ -522,11 +534,12 @@ def test_gpu_memory_gets_a_dma_buf_mr_addressed_by_its_iova(
     assert c.call("fake_calls")["calls"].get("dmabuf_export", 0) >= 1
 
 
-def _two_socket_sysfs(root: Path) -> Path:
-    """A sysfs tree where mlx5_0 sits on NUMA node 0 and mlx5_1 on node 1 (other host bridge)."""
+def _two_socket_sysfs(root: Path, swap: bool = False) -> Path:
+    """A sysfs tree where mlx5_0 sits on NUMA node 0 and mlx5_1 on node 1 (other host bridge),
+    or the other way round."""
     for name, path, numa in (
-        ("mlx5_0", "pci0000:00/0000:00:01.0/0000:01:00.0", 0),
-        ("mlx5_1", "pci0000:80/0000:80:01.0/0000:81:00.0", 1),
+        ("mlx5_0", "pci0000:00/0000:00:01.0/0000:01:00.0", int(swap)),
+        ("mlx5_1", "pci0000:80/0000:80:01.0/0000:81:00.0", int(not swap)),
     ):
         d = root / "devices" / path
         d.mkdir(parents=True)
@@ -540,16 +553,17 @@ def _two_socket_sysfs(root: Path) -> Path:
 def test_the_remote_nic_is_the_one_nearest_the_remote_memory(
     pairs: list[Pair], lib: Path, tmp_path: Path
 ) -> None:
-    """Both hosts have mlx5_0 on NUMA node 0 and mlx5_1 on node 1. a's memory is on node 0,
-    b's region on node 1, which b publishes (rdma_near). Every WR takes a's mlx5_0 to b's
-    mlx5_1. Before, only the local side was chosen by topology; the remote NIC was whichever
-    rail predicted the earliest finish, so about half the bytes crossed b's sockets."""
+    """All memory here is on NUMA node 0 (by its pages). a's mlx5_0 is on node 0, b's mlx5_1
+    is (b's tree is the other way round); b publishes that its region is nearest its mlx5_1
+    (rdma_near). Every WR takes a's mlx5_0 to b's mlx5_1. Before, only the local side was
+    chosen by topology; the remote NIC was whichever rail predicted the earliest finish, so
+    about half the bytes reached b's memory through its far NIC."""
     devs = "mlx5_0:roce:4096,mlx5_1:roce:4096"
-    p = Pair(lib, devs, devs, gid_index=3, sysfs=str(_two_socket_sysfs(tmp_path)))
+    sys_a, sys_b = _two_socket_sysfs(tmp_path / "a"), _two_socket_sysfs(tmp_path / "b", True)
+    p = Pair(lib, devs, devs, None, {"sysfs": str(sys_b)}, gid_index=3, sysfs=str(sys_a))
     pairs.append(p)
-    far = p.b.call("alloc", kind="numpy", size=SPAN, seed=8, location="cpu:1")["addr"]
-    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=far, length=SPAN)
-    assert _sha(p.b, far, SPAN) == _sha(p.a, p.addr_a, SPAN)
+    p.a.call("transfer", op="write", peer=p.b.segment, local=p.addr_a, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, p.addr_a, SPAN)
     stats = p.a.call("rail_stats", peer=p.b.segment)["stats"]
     carried = {k: v["carried"] for k, v in stats.items()}
     assert carried == {
@@ -558,3 +572,28 @@ def test_the_remote_nic_is_the_one_nearest_the_remote_memory(
         "mlx5_1>mlx5_0": 0,
         "mlx5_1>mlx5_1": 0,
     }, carried
+
+
+def test_host_memory_is_placed_by_its_pages_not_its_label(
+    pairs: list[Pair], lib: Path, tmp_path: Path
+) -> None:
+    """a registers memory labelled ``cpu:1`` whose pages the kernel put on node 0 (this host
+    has one node); the sysfs tree says mlx5_0 is on node 0. The NICs near it are found from the
+    pages (move_pages), on both ends: every WR takes mlx5_0 to mlx5_0. Before, the label chose
+    (a's mlx5_1), and unlabelled memory counted as node 0 wherever its pages were."""
+    if Path("/sys/devices/system/node/node1").exists():
+        pytest.skip("more than one NUMA node here: the pages' node is not known in advance")
+    from mooncake_connectors.transfer_core.transports.rdma import topology
+
+    probe = bytearray(b"x" * 8192)  # any address of this heap: is move_pages answered here?
+    if hasattr(topology, "page_node") and topology.page_node(id(probe), 1) < 0:
+        pytest.skip("the kernel does not report NUMA nodes of pages here")
+    devs = "mlx5_0:roce:4096,mlx5_1:roce:4096"
+    p = Pair(lib, devs, devs, gid_index=3, sysfs=str(_two_socket_sysfs(tmp_path)))
+    pairs.append(p)
+    mine = p.a.call("alloc", kind="numpy", size=SPAN, seed=9, location="cpu:1")["addr"]
+    p.a.call("transfer", op="write", peer=p.b.segment, local=mine, remote=p.addr_b, length=SPAN)
+    assert _sha(p.b, p.addr_b, SPAN) == _sha(p.a, mine, SPAN)
+    stats = p.a.call("rail_stats", peer=p.b.segment)["stats"]
+    carried = {k: v["carried"] for k, v in stats.items()}
+    assert carried["mlx5_0>mlx5_0"] == SPAN // (64 << 10), carried

@@ -19,6 +19,7 @@ from typing import Any
 from ....errors import ConfigError, GpuError, GpuUnavailable
 from ....types import Access, LocationKind, parse_location
 from ...memory import Region
+from .topology import page_node
 from .verbs import Nic
 
 # addr, length -> (dma-buf fd, offset of addr in it); raises ConfigError when unsupported.
@@ -46,6 +47,16 @@ class LocalMr:
         self.fds: list[int] = []
         # NIC -> iova of the region's start where it is not its address (dma-buf MRs)
         self.iova: dict[str, int] = {}
+        self._where: str | None = None
+
+    def where(self) -> str:
+        """The region's location for NIC affinity: host memory by the NUMA node its pages are
+        on (asked once they answer), else its registered location."""
+        if self._where is None and self.region.kind is LocationKind.CPU:
+            node = page_node(self.region.addr, self.region.length)
+            if node >= 0:
+                self._where = f"cpu:{node}"
+        return self._where or self.region.location
 
     def lkey(self, nic: str) -> int:
         return int(self.mrs[nic].lkey)

@@ -182,7 +182,7 @@ class RdmaTransport(Transport, RailOwner):
             return {}
         mr = self.registry.get(region)
         names = list(self.nics)
-        near = self.topology.preferred(region.location, names)
+        near = self.topology.preferred(mr.where(), names)
         return {
             "rdma_rkeys": mr.rkeys(),
             "rdma_iova": dict(mr.iova),
@@ -352,7 +352,7 @@ class RdmaTransport(Transport, RailOwner):
         if local is None or self.registry is None:
             raise AccessViolation("local range is not registered", peer=name, path="rdma")
         mr = self.registry.get(local)
-        near = frozenset(self.topology.preferred(local.location, list(self.nics)))
+        near = frozenset(self.topology.preferred(mr.where(), list(self.nics)))
         work = Work(s, -(-s.length // size), near, peer, frozenset(region.rdma_near))
         rkeys = region.rdma_rkeys
         # a peer's dma-buf MR is addressed from its iova: the shift from its address, per NIC
