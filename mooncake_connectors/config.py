@@ -101,6 +101,29 @@ def store_token_from_env() -> str | None:
     return os.environ.get(STORE_TOKEN_ENV) or None
 
 
+# RoCE traffic class (the GRH's DSCP << 2 | ECN) and InfiniBand service level of rdma QPs;
+# Mooncake's names. Our settings (traffic_class, service_level) win over them.
+IB_QOS_ENV = {"traffic_class": ("MC_IB_TC", 255), "service_level": ("MC_IB_SL", 15)}
+
+
+def ib_qos_from_env(env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The rdma QoS values ``MC_IB_TC`` / ``MC_IB_SL`` set, by setting name (absent: unset)."""
+    env = os.environ if env is None else env
+    out: dict[str, int] = {}
+    for field, (name, top) in IB_QOS_ENV.items():
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw, 0)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= top:
+            raise ConfigError(f"environment variable {name}={raw!r} must be an integer 0..{top}")
+        out[field] = value
+    return out
+
+
 def info_needs_token(bind_host: str, token: str | None) -> bool:
     """Whether information endpoints (``/metrics``, ``/health``, metadata listings) of a listener
     bound to ``bind_host`` require the token. On the default binds (127.0.0.1, ::1) any local

@@ -82,6 +82,17 @@ class FakeCuda(CudaDriver):
             self._mems[base] = _Mem(base, size, MemoryType.DEVICE, device, mm, pin, fd, ino, vmm)
         return base
 
+    def dmabuf_export(self, addr: int, length: int) -> tuple[int, int]:
+        """The memfd behind fake device memory stands for its dma-buf (a new fd, the caller's
+        to close), with ``addr``'s offset in it, as cuMemGetHandleForAddressRange gives."""
+        self.calls.append("dmabuf_export")
+        with self._lock:
+            m = next((m for m in self._mems.values() if m.base <= addr < m.base + m.size), None)
+        if m is None or m.kind is not MemoryType.DEVICE or addr + length > m.base + m.size:
+            call = "cuMemGetHandleForAddressRange"
+            raise GpuError("not device memory", code=INVALID_VALUE, call=call)
+        return os.dup(m.fd), addr - m.base
+
     def device_free(self, base: int) -> None:
         with self._lock:
             m = self._mems.pop(base)

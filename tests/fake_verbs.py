@@ -14,7 +14,8 @@ Configured from the environment, so peer processes get the same fabric:
                    CPU cost of the code above the verbs: a NIC moves the bytes without it)
 Faults are injected on this process's devices: ``device(name).fail(n, status)``,
 ``.qps_to_error()``, ``.vanish()``, ``.latency = seconds``.
-A DmaBufMR is registered at its iova and its bytes are read there as host memory.
+A DmaBufMR takes pyverbs' arguments (no iova: it starts at iova = offset, as pyverbs' does); this
+stand-in maps no dma-buf, so its bytes are not reachable here (tests/fake_ibverbs moves them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import socket
 import threading
 import time
+import types
 from typing import Any
 
 from fake_nic import (
@@ -70,6 +72,7 @@ class GID:
 class _PortAttr:
     def __init__(self, state: int, lid: int) -> None:
         self.state, self.lid, self.active_mtu = state, lid, e.IBV_MTU_4096
+        self.link_layer, self.gid_tbl_len = 2, 1  # Ethernet (RoCE), one GID
 
 
 class Context:
@@ -90,6 +93,16 @@ class Context:
     def query_gid(self, port: int, index: int) -> GID:
         self.dev.check()
         return GID(self.dev.gid)
+
+    def query_gid_type(self, port: int, index: int) -> int:
+        self.dev.check()
+        return 1  # IBV_GID_TYPE_SYSFS_ROCE_V2
+
+    def query_device(self) -> Any:
+        self.dev.check()  # ConnectX-like caps
+        return types.SimpleNamespace(
+            max_qp_wr=32768, max_cqe=4194303, max_qp_rd_atom=16, max_qp_init_rd_atom=16
+        )
 
     def close(self) -> None:
         pass
@@ -129,10 +142,8 @@ class MR:
 
 
 class DmaBufMR(MR):
-    def __init__(
-        self, pd: PD, length: int, access: int, dmabuf: int = -1, offset: int = 0, iova: int = 0
-    ) -> None:
-        super().__init__(pd, length, access, address=iova)
+    def __init__(self, pd: PD, length: int, access: int, dmabuf: int = -1, offset: int = 0) -> None:
+        super().__init__(pd, length, access, address=offset)
         self.dmabuf, self.offset = dmabuf, offset
 
 
@@ -192,9 +203,15 @@ class GlobalRoute:
 
 class AHAttr:
     def __init__(
-        self, dlid: int = 0, is_global: int = 0, port_num: int = 1, gr: GlobalRoute | None = None
+        self,
+        dlid: int = 0,
+        sl: int = 0,
+        is_global: int = 0,
+        port_num: int = 1,
+        gr: GlobalRoute | None = None,
     ) -> None:
         self.dlid, self.is_global, self.port_num, self.gr = dlid, is_global, port_num, gr
+        self.sl = sl
 
 
 class SGE:

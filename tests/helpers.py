@@ -105,9 +105,13 @@ class EtcdServer:
 class Peer:
     """Another process running a TransferEngine, driven by JSON lines on stdin/stdout."""
 
-    def __init__(self, nofile: int | None = None, **start: Any) -> None:
-        """``nofile``: the peer's descriptor limit (set by the peer itself, after its imports)."""
-        env = {**os.environ, "PEER_NOFILE": str(nofile)} if nofile else None
+    def __init__(
+        self, nofile: int | None = None, env: dict[str, str] | None = None, **start: Any
+    ) -> None:
+        """``nofile``: the peer's descriptor limit (set by the peer itself, after its imports).
+        ``env``: the peer's environment (default: this process's)."""
+        if nofile:
+            env = {**(env or os.environ), "PEER_NOFILE": str(nofile)}
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER_SCRIPT)],
             stdin=subprocess.PIPE,

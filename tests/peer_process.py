@@ -73,7 +73,7 @@ def main() -> None:
                 else:
                     arr = pattern(seed, size)
                     access = Access.READ if kind == "readonly" else Access.READ_WRITE
-                    engine.register(arr, access=access)
+                    engine.register(arr, access=access, location=msg.get("location"))
                     addr = int(arr.ctypes.data)
                     keep[addr] = arr
                 reply = {"addr": addr}
@@ -91,6 +91,14 @@ def main() -> None:
             elif cmd == "digest":
                 data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
                 reply = {"sha": hashlib.sha256(data).hexdigest()}
+            elif cmd == "transfer":  # this engine reads or writes a peer's memory
+                assert engine is not None and msg["op"] in ("read", "write")
+                getattr(engine, msg["op"])(msg["peer"], msg["local"], msg["remote"], msg["length"])
+                reply = {}
+            elif cmd == "rail_stats":  # the rdma transport's rails to a peer
+                assert engine is not None
+                t = next(t for t in engine.transports if t.name == "rdma")
+                reply = {"stats": t.rail_stats(msg["peer"])}  # type: ignore[attr-defined]
             elif cmd == "close_transport":
                 assert engine is not None
                 for t in engine.transports:

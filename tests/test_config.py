@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_connectors.config import EngineConfig, engine_config_from_env
+from mooncake_connectors.config import EngineConfig, engine_config_from_env, ib_qos_from_env
 from mooncake_connectors.errors import ConfigError
 
 
@@ -88,3 +88,14 @@ def test_no_settings_repr_shows_the_token(tmp_path: Path) -> None:
         "tls_key": None,
         "tls_ca": str(ca),
     }
+
+
+def test_ib_qos_from_env_reads_mooncakes_names_and_refuses_out_of_range() -> None:
+    assert ib_qos_from_env({}) == {}
+    assert ib_qos_from_env({"MC_IB_TC": "106", "MC_IB_SL": "3"}) == {
+        "traffic_class": 106,
+        "service_level": 3,
+    }
+    for bad in ({"MC_IB_TC": "256"}, {"MC_IB_SL": "16"}, {"MC_IB_TC": "high"}):
+        with pytest.raises(ConfigError, match="must be an integer"):
+            ib_qos_from_env(bad)

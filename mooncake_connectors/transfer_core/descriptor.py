@@ -54,6 +54,10 @@ class RegionDesc(msgspec.Struct, frozen=True, omit_defaults=True):
     # RDMA: NIC name -> rkey. CUDA: the owner's device ordinal, and the region's exports
     # (cuda_ipc), in region order, covering it end to end.
     rdma_rkeys: dict[str, int] = {}
+    # NIC name -> the iova the region starts at in its MR, where it is not ``addr`` (dma-buf)
+    rdma_iova: dict[str, int] = {}
+    # NIC name -> 1 for the owner's NICs nearest the region (PCIe/NUMA), when not all are
+    rdma_near: dict[str, int] = {}
     cuda_device: int = -1
     cuda_exports: list[CudaExport] = []
 

@@ -16,6 +16,7 @@ TransferTimeout and its lane is torn down so no late bytes land in memory the ca
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import itertools
 import logging
@@ -289,7 +290,7 @@ class TransferEngine:
             region = self.local.add(region)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        self._publish()
+        self._publish_added([region])
         return region
 
     def register_raw(
@@ -334,10 +335,24 @@ class TransferEngine:
             for addr, length in spans:
                 out.append(self.local.add(Region(addr, length, location, access, owner=owner)))
         except ValueError as exc:
+            self._publish_added(out)
             raise ConfigError(str(exc)) from exc
-        finally:
-            self._publish()
+        self._publish_added(out)
         return out
+
+    def _publish_added(self, added: list[Region]) -> None:
+        """Publish after adding ``added``. A transport that cannot describe them (an rdma MR
+        that does not register, e.g. GPU memory without dma-buf or peermem) raises from the
+        descriptor: they are removed again, so the failure leaves nothing registered and every
+        later publish, which would otherwise retry and raise on them, works."""
+        try:
+            self._publish()
+        except MooncakeConnectorsError:
+            for region in added:
+                with contextlib.suppress(ConfigError):
+                    self.local.remove(region.addr)
+            self._publish()
+            raise
 
     def unregister(self, region: Region | int) -> None:
         addr = region.addr if isinstance(region, Region) else int(region)

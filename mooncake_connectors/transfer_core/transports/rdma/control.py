@@ -1,8 +1,8 @@
 """The connect exchange of the rdma transport, over our framed, authenticated control channel.
 
 The initiator makes an RC QP on its NIC and sends (its segment, its NIC, the peer's NIC, QP
-number, PSN, GID, LID); the target makes a QP on the named NIC, takes it to RTR/RTS aimed at the
-initiator's, and answers with its own QP number, PSN, GID and LID. The channel is the tcp
+number, PSN, GID, LID, MTU); the target makes a QP on the named NIC, takes it to RTR/RTS aimed at
+the initiator's, and answers with its own QP number, PSN, GID, LID and MTU. The channel is the tcp
 transport's listener format (wire.py: HELLO/AUTH handshake under the engine's token, then one
 OP_CONTROL request), served by the rdma transport's own listener, which carries no data.
 """
@@ -28,6 +28,7 @@ class ConnectRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     psn: int
     gid: str
     lid: int
+    mtu: int = 0  # the initiator's active MTU (IBV_MTU_*); both ends use the smaller
 
 
 class ConnectReply(msgspec.Struct, frozen=True):
@@ -35,6 +36,7 @@ class ConnectReply(msgspec.Struct, frozen=True):
     psn: int
     gid: str
     lid: int
+    mtu: int = 0
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -48,7 +50,7 @@ def decode_request(payload: bytes) -> ConnectRequest:
 
 
 def encode_reply(addr: QpAddr) -> bytes:
-    return _enc.encode(ConnectReply(addr.qpn, addr.psn, addr.gid, addr.lid))
+    return _enc.encode(ConnectReply(addr.qpn, addr.psn, addr.gid, addr.lid, addr.mtu))
 
 
 def exchange(
@@ -76,7 +78,7 @@ def exchange(
                 path=path,
             )
         rep = msgspec.msgpack.decode(bytes(body), type=ConnectReply)
-        return QpAddr(rep.qpn, rep.psn, rep.gid, rep.lid)
+        return QpAddr(rep.qpn, rep.psn, rep.gid, rep.lid, rep.mtu)
     except (OSError, TimeoutError) as exc:
         late = time.monotonic() >= deadline
         raise TransportBroken(

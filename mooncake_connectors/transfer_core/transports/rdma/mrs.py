@@ -2,8 +2,9 @@
 
 Host memory is registered by address. A ``cuda:N`` region gets a dma-buf MR when the CUDA
 driver exports the range as a dma-buf (``cuMemGetHandleForAddressRange``) and pyverbs has
-``DmaBufMR``; otherwise a plain MR on the device address, which works where nvidia-peermem is
-loaded. Deregistration waits until no work request uses the region any more.
+``DmaBufMR``; it is addressed from its iova (the offset in the dma-buf, pyverbs' choice),
+published per NIC as ``rdma_iova``. Otherwise a plain MR on the device address, which works where
+nvidia-peermem is loaded. Deregistration waits until no work request uses the region any more.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from ....errors import ConfigError, GpuError, GpuUnavailable
 from ....types import Access, LocationKind, parse_location
 from ...memory import Region
+from .topology import page_node
 from .verbs import Nic
 
 # addr, length -> (dma-buf fd, offset of addr in it); raises ConfigError when unsupported.
@@ -43,9 +45,26 @@ class LocalMr:
         self.cv = threading.Condition()
         self.inflight = 0
         self.fds: list[int] = []
+        # NIC -> iova of the region's start where it is not its address (dma-buf MRs)
+        self.iova: dict[str, int] = {}
+        self._where: str | None = None
+
+    def where(self) -> str:
+        """The region's location for NIC affinity: host memory by the NUMA node its pages are
+        on (asked once they answer), else its registered location."""
+        if self._where is None and self.region.kind is LocationKind.CPU:
+            node = page_node(self.region.addr, self.region.length)
+            if node >= 0:
+                self._where = f"cpu:{node}"
+        return self._where or self.region.location
 
     def lkey(self, nic: str) -> int:
         return int(self.mrs[nic].lkey)
+
+    def local_addr(self, nic: str, addr: int) -> int:
+        """Where a work request on ``nic`` addresses the byte at ``addr`` of this region."""
+        base = self.iova.get(nic)
+        return addr if base is None else base + (addr - self.region.addr)
 
     def rkeys(self) -> dict[str, int]:
         return {name: int(mr.rkey) for name, mr in self.mrs.items()}
@@ -116,10 +135,16 @@ class Registry:
             else:
                 mr.fds.append(fd)
                 try:
-                    return nic.reg_dmabuf_mr(fd, offset, region.length, region.addr, access)
+                    dmabuf_mr, iova = nic.reg_dmabuf_mr(
+                        fd, offset, region.length, region.addr, access
+                    )
                 except ConfigError:
                     if self.gpu_mr == "dmabuf":
                         raise
+                else:
+                    if iova != region.addr:
+                        mr.iova[nic.name] = iova
+                    return dmabuf_mr
         return nic.reg_mr(region.addr, region.length, access)
 
     def dropped(self, live: set[tuple[int, int]]) -> list[LocalMr]:

@@ -36,20 +36,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 IDLE, CONNECTING, READY = 0, 1, 2
+PORT_CHECK = 0.5  # seconds between looks at each NIC's port state
 
 
 class Work:
     """One attempt of one engine slice: done when all its work requests are."""
 
-    __slots__ = ("done", "left", "lock", "peer", "preferred", "slice")
+    __slots__ = ("done", "left", "lock", "peer", "preferred", "remote_near", "slice")
 
-    def __init__(self, s: Slice, n: int, preferred: frozenset[str], peer: Any) -> None:
+    def __init__(
+        self,
+        s: Slice,
+        n: int,
+        preferred: frozenset[str],
+        peer: Any,
+        remote_near: frozenset[str] = frozenset(),
+    ) -> None:
         self.slice = s
         self.peer = peer  # the transport's view of the peer (its rails)
         self.left = n
         self.done = False
         self.lock = threading.Lock()
         self.preferred = preferred  # local NICs nearest the local memory
+        self.remote_near = remote_near  # the peer's NICs nearest the remote memory (or none)
 
     def finish_one(self, err: MooncakeConnectorsError | None) -> None:
         with self.lock:
@@ -72,6 +81,7 @@ class WR:
     length: int
     mr: LocalMr
     rkeys: dict[str, int]
+    shift: dict[str, int]  # remote NIC -> what to add to raddr (a dma-buf MR's iova)
     tried: set[int] = dataclasses.field(default_factory=set)  # rails it was posted on (ids)
     wr_id: int = 0
     posted_at: float = 0.0
@@ -91,9 +101,33 @@ class NicState:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.dead: MooncakeConnectorsError | None = None
+        self.down = False  # the port is not ACTIVE (polled; it may come back)
+        # CQ slots not yet promised: every WR posted may end in a CQE (an error flushes all of
+        # them, signalled or not), so at most cq_size WRs are outstanding on this NIC's QPs
+        # together. A slot comes back when its WR's fate is known: vouched for by a completion,
+        # or its QP destroyed (which removes its CQEs from the CQ).
+        self.credits = nic.cq_size
         self.thread = threading.Thread(
             target=self._poll_loop, name=f"mc-rdma-poll-{nic.name}", daemon=True
         )
+
+    def take(self) -> bool:
+        """Promise one CQ slot to a WR about to be posted; False when the CQ could fill."""
+        with self.lock:
+            if self.credits <= 0:
+                return False
+            self.credits -= 1
+            return True
+
+    def give(self, n: int, kick: bool = True) -> None:
+        """``n`` CQ slots are free again; rails waiting for one post their queues."""
+        if n <= 0:
+            return
+        with self.lock:
+            self.credits += n
+        for rail in list(self.rails.values()) if kick else ():
+            if rail.queue:
+                rail.kick()
 
     def busy(self) -> bool:
         return any(r.outstanding for r in list(self.rails.values()))
@@ -117,10 +151,32 @@ class NicState:
                 rail.completed(cs)
         return bool(comps)
 
+    def check_port(self) -> None:
+        """Follow the port's state. Async events (port down, device fatal) are not read:
+        pyverbs' Context.get_async_event blocks in ibv_get_async_event holding the GIL, and
+        pyverbs exposes no async fd to wait on first, so a thread reading them would stall
+        every Python thread until an event came. The port state is polled instead: while it
+        is not ACTIVE the NIC's rails are taken down and none is picked."""
+        down = not self.nic.port_active()
+        if down == self.down:
+            return
+        self.down = down
+        if not down:
+            log.info("rdma NIC %s port %d is ACTIVE again", self.nic.name, self.nic.port)
+            return
+        log.warning(
+            "rdma NIC %s port %d is down: its rails are left out", self.nic.name, self.nic.port
+        )
+        for rail in list(self.rails.values()):
+            rail.broke(TransportBroken(f"NIC {self.nic.name} port down"), cool=True)
+
     def _poll_loop(self) -> None:
         idle = 0
-        checked = time.monotonic()
+        checked = ported = time.monotonic()
         while not self.stop.is_set() and self.dead is None:
+            if time.monotonic() - ported > PORT_CHECK:
+                ported = time.monotonic()
+                self.check_port()
             if not self.busy():
                 self.wake.wait(0.2)
                 self.wake.clear()
@@ -205,10 +261,18 @@ class Rail:
         o = self.owner
         nic = self.nic.nic
         posted = False
-        while self.queue and len(self.outstanding) < o.max_wr:
+        limit = min(o.max_wr, nic.max_qp_wr)
+        while self.queue and len(self.outstanding) < limit and self.nic.take():
             wr = self.queue.popleft()
             self.posts += 1
-            signaled = self.posts % o.signal_every == 0 or not self.queue
+            # The last WR posted for now asks for a completion, or nothing would free its
+            # slots: the queue is empty, the QP is full, or the CQ has no slot left.
+            signaled = (
+                self.posts % o.signal_every == 0
+                or not self.queue
+                or len(self.outstanding) + 1 >= limit
+                or self.nic.credits == 0
+            )
             wr.wr_id = next(_ids)
             wr.posted_at = time.monotonic()
             if not self.outstanding:
@@ -219,19 +283,26 @@ class Rail:
                     self.qp,
                     wr.wr_id,
                     wr.work.slice.op is TransferOp.WRITE,
-                    wr.laddr,
+                    wr.mr.local_addr(nic.name, wr.laddr),
                     wr.length,
                     wr.mr.lkey(nic.name),
-                    wr.raddr,
+                    wr.raddr + wr.shift.get(self.remote_nic, 0),
                     wr.rkeys[self.remote_nic],
                     signaled,
                 )
             except MooncakeConnectorsError as exc:
-                return exc
+                return exc  # broke() gives its slot back with the other outstanding ones
             posted = True
         if posted:
             self.nic.wake.set()
         return None
+
+    def kick(self) -> None:
+        """Post what waits in the queue (CQ slots came free on this NIC)."""
+        with self.lock:
+            failed = self._pump() if self.state == READY else None
+        if failed is not None:
+            self.broke(failed, cool=True)
 
     # -- connection -------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -241,14 +312,21 @@ class Rail:
         try:
             qp = nic.create_qp(self.owner.max_wr)
             psn = int.from_bytes(os.urandom(3), "little")
-            theirs = self.owner.exchange(self, QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid))
+            theirs = self.owner.exchange(
+                self, QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu)
+            )
             nic.connect(qp, theirs, psn)
-        except MooncakeConnectorsError as exc:
+        except Exception as exc:  # whatever it is, the rail must fail, never stay CONNECTING
+            if isinstance(exc, MooncakeConnectorsError):
+                err: MooncakeConnectorsError = exc
+            else:
+                log.exception("rdma rail %s: unexpected error while connecting", self.path)
+                err = TransportBroken(f"connecting failed: {type(exc).__name__}: {exc}")
             if qp is not None:
                 nic.destroy(qp)
-            log.info("rdma rail %s cannot connect: %s", self.path, exc)
+            log.info("rdma rail %s cannot connect: %s", self.path, err)
             if gen == self.gen:
-                self.broke(exc, cool=True)
+                self.broke(err, cool=True)
             return
         with self.lock:
             if self.closed or gen != self.gen:
@@ -292,7 +370,11 @@ class Rail:
                 self.measured = True
                 self.busy_since = now
             self.carried += len(ok)
+            freed = len(ok) + (bad is not None)
+            self.nic.give(freed, kick=False)  # this rail posts again just below, others after
             failed = self._pump() if bad is None and self.state == READY else None
+        if freed:
+            self._kick_others()
         for wr in ok:
             wr.end(None)
         if ok:
@@ -315,6 +397,11 @@ class Rail:
             return
         err = TransportBroken(f"completion status {status}", peer=self.peer, path=self.path)
         self.broke(err, cool=True, first=bad)
+
+    def _kick_others(self) -> None:
+        for rail in list(self.nic.rails.values()):
+            if rail is not self and rail.queue:
+                rail.kick()
 
     def check_timeout(self, now: float) -> None:
         with self.lock:
@@ -340,6 +427,7 @@ class Rail:
             self.nic.rails.pop(self.qpn, None)
             self.qpn = -1
             self.state = IDLE
+            held = len(self.outstanding)  # ``first`` gave its slot back in completed()
             orphans = ([first] if first is not None else []) + list(self.outstanding)
             orphans += list(self.queue)
             self.outstanding.clear()
@@ -347,7 +435,8 @@ class Rail:
             self.queued_bytes = 0
         if qp is not None:
             self.nic.nic.to_error(qp)
-            self.nic.nic.destroy(qp)
+            self.nic.nic.destroy(qp)  # its CQEs leave the CQ with it: their slots are free
+        self.nic.give(held)
         if cool:
             self.owner.rail_failed(self, err)
         for wr in orphans:

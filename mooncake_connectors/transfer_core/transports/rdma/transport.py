@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from ....config import EngineConfig
+from ....config import EngineConfig, ib_qos_from_env
 from ....errors import (
     AccessViolation,
     ConfigError,
     MooncakeConnectorsError,
     ProtocolError,
+    SegmentNotFound,
     TransportBroken,
     TransportClosed,
 )
@@ -40,29 +41,38 @@ from .topology import Topology
 from .verbs import Nic, QpAddr, Verbs
 
 log = logging.getLogger(__name__)
-_MAX_PASSIVE = 4096  # QPs peers may have us make; a flood of connects cannot exhaust the NIC
+_REAP_EVERY = 5.0  # seconds between sweeps for passive QPs of initiators gone
 
 
 class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     """``transport_settings["rdma"]``.
 
     verbs: the module with pyverbs' objects ("pyverbs"; tests name a fake). nics: devices to use
-    (empty: all). port, gid_index: the port and GID table entry of each NIC. slice_size: bytes
+    (empty: all). port: the port of each NIC. gid_index: the GID table entry of every NIC, or
+    -1 (default) for each NIC's own best: InfiniBand 0, RoCE its RoCE v2 (IPv4-mapped first)
+    GID, as Mooncake probes. slice_size: bytes
     per work request. max_wr: work requests in flight per QP. signal_every: ask for a completion
     every N requests. rail_timeout: seconds a rail may owe a completion before it is failed.
-    min_memlock: the locked-memory limit (bytes) below which start fails. gpu_mr: "auto"
+    min_memlock: the locked-memory limit (bytes) below which start fails. max_passive: QPs
+    peers may have us make (a flood of connects cannot exhaust the NIC); when full, those of
+    initiators whose segment is gone are destroyed. traffic_class / service_level: the RoCE
+    GRH traffic class and the IB service level of every QP; -1 takes MC_IB_TC / MC_IB_SL, else
+    0 (DSCP 0 is the lossy class on PFC/ECN fabrics, so RoCE deployments set it). gpu_mr: "auto"
     (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read.
     """
 
     verbs: str = "pyverbs"
     nics: tuple[str, ...] = ()
     port: int = 1
-    gid_index: int = 0
+    gid_index: int = -1
     slice_size: int = 64 * 1024
     max_wr: int = 128
     signal_every: int = 16
     rail_timeout: float = 2.0
     min_memlock: int = 64 * 1024 * 1024
+    max_passive: int = 4096
+    traffic_class: int = -1
+    service_level: int = -1
     gpu_mr: str = "auto"
     sysfs: str = "/sys"
 
@@ -72,6 +82,10 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
             (1 <= self.max_wr <= 16384, "max_wr must be in 1..16384"),
             (1 <= self.signal_every <= self.max_wr, "signal_every must be in 1..max_wr"),
             (self.rail_timeout > 0, "rail_timeout must be > 0"),
+            (self.max_passive >= 1, "max_passive must be >= 1"),
+            (-1 <= self.traffic_class <= 255, "traffic_class must be -1 (MC_IB_TC) or 0..255"),
+            (-1 <= self.service_level <= 15, "service_level must be -1 (MC_IB_SL) or 0..15"),
+            (self.gid_index >= -1, "gid_index must be -1 (probe each NIC) or a table index"),
             (self.gpu_mr in ("auto", "dmabuf", "peermem"), "gpu_mr: auto, dmabuf or peermem"),
         )
         for ok, why in checks:
@@ -114,6 +128,7 @@ class RdmaTransport(Transport, RailOwner):
         self._stop = threading.Event()
         self._server: TcpServer | None = None
         self._closed = False
+        self._reaped = -_REAP_EVERY
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> dict[str, str]:
@@ -126,6 +141,9 @@ class RdmaTransport(Transport, RailOwner):
                 raise ConfigError(f"rdma nics {unknown} not found; this host has {names}")
             names = list(st.nics)
         verbs.check_memlock(st.min_memlock)
+        env = ib_qos_from_env()
+        tc = st.traffic_class if st.traffic_class >= 0 else env.get("traffic_class", 0)
+        sl = st.service_level if st.service_level >= 0 else env.get("service_level", 0)
         opened: list[Nic] = []
         errors: list[str] = []
         for name in names:
@@ -138,6 +156,7 @@ class RdmaTransport(Transport, RailOwner):
         for msg in errors:
             log.warning("rdma: skipping a device: %s", msg)
         for nic in opened:
+            nic.traffic_class, nic.service_level = tc, sl
             state = NicState(nic, self._stop)
             self.nics[nic.name] = state
             state.thread.start()
@@ -161,7 +180,15 @@ class RdmaTransport(Transport, RailOwner):
         kind = region.to_desc().kind
         if kind not in (LocationKind.CPU, LocationKind.CUDA):
             return {}
-        return {"rdma_rkeys": self.registry.get(region).rkeys()}
+        mr = self.registry.get(region)
+        names = list(self.nics)
+        near = self.topology.preferred(mr.where(), names)
+        return {
+            "rdma_rkeys": mr.rkeys(),
+            "rdma_iova": dict(mr.iova),
+            # peers aim at these NICs: a far one DMAs across the host bridge or the sockets
+            "rdma_near": {n: 1 for n in near} if len(near) < len(names) else {},
+        }
 
     def local_changed(self, epoch: int) -> None:
         """Deregister the MRs of regions that were unregistered, once nothing uses them."""
@@ -247,10 +274,14 @@ class RdmaTransport(Transport, RailOwner):
             if r.remote_nic in wr.rkeys
             and r.id not in wr.tried
             and r.nic.dead is None
+            and not r.nic.down
             and self.health.usable(r.key, now)
         ]
         near = [r for r in ok if r.nic.nic.name in wr.work.preferred]
         pool = near or ok
+        # and the remote NICs nearest the remote memory, as its owner published them
+        if wr.work.remote_near:
+            pool = [r for r in pool if r.remote_nic in wr.work.remote_near] or pool
         if not pool:
             return None
         if extra is None:
@@ -321,11 +352,13 @@ class RdmaTransport(Transport, RailOwner):
         if local is None or self.registry is None:
             raise AccessViolation("local range is not registered", peer=name, path="rdma")
         mr = self.registry.get(local)
-        near = frozenset(self.topology.preferred(local.location, list(self.nics)))
-        work = Work(s, -(-s.length // size), near, peer)
+        near = frozenset(self.topology.preferred(mr.where(), list(self.nics)))
+        work = Work(s, -(-s.length // size), near, peer, frozenset(region.rdma_near))
         rkeys = region.rdma_rkeys
+        # a peer's dma-buf MR is addressed from its iova: the shift from its address, per NIC
+        shift = {n: base - region.addr for n, base in region.rdma_iova.items()}
         wrs = [
-            WR(work, s.local_addr + o, s.remote_addr + o, min(size, s.length - o), mr, rkeys)
+            WR(work, s.local_addr + o, s.remote_addr + o, min(size, s.length - o), mr, rkeys, shift)
             for o in range(0, s.length, size)
         ]
         mr.acquire(len(wrs))
@@ -338,7 +371,14 @@ class RdmaTransport(Transport, RailOwner):
             raise TransportBroken("peer forgotten", peer=rail.peer)
         nic = rail.nic.nic
         req = control.ConnectRequest(
-            self.ctx.segment_name(), nic.name, rail.remote_nic, ours.qpn, ours.psn, nic.gid, nic.lid
+            self.ctx.segment_name(),
+            nic.name,
+            rail.remote_nic,
+            ours.qpn,
+            ours.psn,
+            nic.gid,
+            nic.lid,
+            nic.mtu,
         )
         deadline = time.monotonic() + self.ctx.config.connect_timeout
         return control.exchange(self.ctx, rail.peer, p.desc.endpoints["rdma"], req, deadline)
@@ -395,17 +435,49 @@ class RdmaTransport(Transport, RailOwner):
         qp = nic.create_qp(self.max_wr)
         psn = int.from_bytes(os.urandom(3), "little")
         try:
-            nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid), psn)
+            nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid, req.mtu), psn)
         except MooncakeConnectorsError:
             nic.destroy(qp)
             raise
         key = (req.segment, req.nic, req.peer_nic)
+        cap = self.settings.max_passive
         with self._lock:
             old = self._passive.pop(key, None)
-            if self._closed or len(self._passive) >= _MAX_PASSIVE:
+            full = len(self._passive) >= cap
+        if full:
+            self._reap_passive()
+        with self._lock:
+            if self._closed or len(self._passive) >= cap:
                 nic.destroy(qp)
                 raise ProtocolError("too many rdma connections")
             self._passive[key] = (nic, qp)
         if old is not None:
             old[0].destroy(old[1])
-        return control.encode_reply(QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid))
+        return control.encode_reply(QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu))
+
+    def _reap_passive(self) -> None:
+        """Destroy the passive QPs of initiators whose segment is gone (a closed engine
+        unpublishes it): nothing on a target's QP shows that its initiator went away, so
+        without this a long-running target refuses every new peer once max_passive initiators
+        came and went. A sweep looks each initiator up, so it runs at most every _REAP_EVERY s;
+        an initiator whose lookup fails otherwise (metadata unreachable) keeps its QPs."""
+        now = time.monotonic()
+        if now - self._reaped < _REAP_EVERY:
+            return
+        self._reaped = now
+        with self._lock:
+            segments = {k[0] for k in self._passive}
+        gone = set()
+        for seg in segments:
+            try:
+                self.ctx.refresh_peer(seg)
+            except SegmentNotFound:
+                gone.add(seg)
+            except MooncakeConnectorsError:
+                continue
+        with self._lock:
+            dead = [self._passive.pop(k) for k in list(self._passive) if k[0] in gone]
+        for nic, qp in dead:
+            nic.destroy(qp)
+        if dead:
+            log.info("rdma: destroyed %d QPs of %d initiators gone", len(dead), len(gone))

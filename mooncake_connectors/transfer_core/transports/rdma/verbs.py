@@ -14,6 +14,7 @@ ConfigError that says how to fix them; failures on the data path are TransportBr
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import importlib
 import resource
@@ -43,6 +44,26 @@ _NAMES = (
     "PyverbsError",
     "PyverbsRDMAError",
 )
+# The IBV_* constants this module reads; start fails clearly when pyverbs lacks one.
+_ENUMS = (
+    "IBV_WC_SUCCESS",
+    "IBV_WC_REM_ACCESS_ERR",
+    "IBV_WC_LOC_PROT_ERR",
+    "IBV_WC_REM_INV_REQ_ERR",
+    "IBV_ACCESS_LOCAL_WRITE",
+    "IBV_ACCESS_REMOTE_WRITE",
+    "IBV_ACCESS_REMOTE_READ",
+    "IBV_QPT_RC",
+    "IBV_QPS_RESET",
+    "IBV_QPS_INIT",
+    "IBV_QPS_RTR",
+    "IBV_QPS_RTS",
+    "IBV_QPS_ERR",
+    "IBV_QP_STATE",
+    "IBV_WR_RDMA_WRITE",
+    "IBV_WR_RDMA_READ",
+    "IBV_SEND_SIGNALED",
+)
 _PYVERBS_FIX = (
     "install rdma-core's Python bindings (Debian/Ubuntu: apt-get install python3-pyverbs) and "
     "run a Python of the same version that can import them (a venv made with "
@@ -53,6 +74,12 @@ MEMLOCK_FIX = (
     "LimitMEMLOCK=infinity for a systemd unit, `--ulimit memlock=-1` for docker"
 )
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
+LINK_LAYER_INFINIBAND = 1  # IBV_LINK_LAYER_INFINIBAND (a #define in verbs.h, not in every pyverbs)
+LINK_LAYER_ETHERNET = 2  # IBV_LINK_LAYER_ETHERNET: RoCE
+CQ_ENTRIES = 4096  # the CQ of one NIC, or the device's max_cqe when smaller
+RD_ATOMIC = 16  # READs in flight per QP (ConnectX's max_qp_rd_atom), or the device's cap
+TRANSPORT_IB = 0  # IBV_TRANSPORT_IB: InfiniBand and RoCE; iWARP is 1, usNIC 2-3, EFA 4
+GID_TYPE_ROCE_V2 = 1  # IBV_GID_TYPE_SYSFS_ROCE_V2, what Context.query_gid_type answers
 _CAP_IPC_LOCK = 14
 
 
@@ -68,11 +95,57 @@ def has_ipc_lock() -> bool:
     return False
 
 
+def _flat_enums(mods: list[types.ModuleType]) -> types.SimpleNamespace:
+    """Every ``IBV_*`` constant of pyverbs' enum modules, as plain ints in one namespace.
+
+    rdma-core <= 58 (``pyverbs.enums``, Cython < 3.1) puts each member at module level as well as
+    in its enum class; v59 moved them to ``pyverbs.libibverbs_enums``, and Cython >= 3.1 builds
+    keep them only in the classes (``ibv_qp_type.IBV_QPT_RC``). Reading the classes covers both.
+    """
+    flat: dict[str, int] = {}
+    for mod in mods:
+        for name, val in vars(mod).items():
+            if isinstance(val, enum.EnumMeta):
+                members: dict[str, Any] = dict(val.__members__)
+                for member_name, member in members.items():
+                    if member_name.startswith("IBV_"):
+                        flat.setdefault(member_name, int(member))
+            elif name.startswith("IBV_") and isinstance(val, int):
+                flat.setdefault(name, int(val))
+    return types.SimpleNamespace(**flat)
+
+
+def _enum_modules() -> list[types.ModuleType]:
+    mods = []
+    for name in ("pyverbs.libibverbs_enums", "pyverbs.enums"):  # v59+, then v28..v58
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return mods
+
+
 def _load_pyverbs() -> types.SimpleNamespace:
     try:
-        from pyverbs import addr, cq, device, enums, mr, pd, pyverbs_error, qp, wr
+        from pyverbs import addr, cq, device, mr, pd, pyverbs_error, qp, wr
     except ImportError as exc:
-        raise ConfigError(f"the rdma transport needs pyverbs ({exc}): {_PYVERBS_FIX}") from None
+        if exc.name == "pyverbs":
+            raise ConfigError(f"the rdma transport needs pyverbs ({exc}): {_PYVERBS_FIX}") from None
+        raise ConfigError(
+            f"pyverbs is installed but does not load ({exc}): run a Python of the version it was "
+            "built for, or reinstall rdma-core's Python bindings"
+        ) from None
+    mods = _enum_modules()
+    e = _flat_enums(mods)
+    missing = [n for n in _ENUMS if not hasattr(e, n)]
+    if missing:
+        import pyverbs
+
+        where = getattr(pyverbs, "__file__", "?")
+        raise ConfigError(
+            f"pyverbs at {where} lacks the verbs constants {missing} (enum modules found: "
+            f"{[m.__name__ for m in mods]}): this layout of rdma-core's bindings is not known here"
+        )
     ns = types.SimpleNamespace(
         Context=device.Context,
         get_device_list=device.get_device_list,
@@ -91,7 +164,7 @@ def _load_pyverbs() -> types.SimpleNamespace:
         SGE=wr.SGE,
         PyverbsError=pyverbs_error.PyverbsError,
         PyverbsRDMAError=pyverbs_error.PyverbsRDMAError,
-        e=enums,
+        e=e,
     )
     return ns
 
@@ -112,12 +185,28 @@ def load(module: str) -> types.SimpleNamespace:
 
 @dataclass(frozen=True)
 class QpAddr:
-    """What a peer needs to connect an RC QP to ours (sent in the connect exchange)."""
+    """What a peer needs to connect an RC QP to ours (sent in the connect exchange). ``mtu``:
+    the sender's active path MTU (an IBV_MTU_* value; 0 from a peer that does not send it)."""
 
     qpn: int
     psn: int
     gid: str
     lid: int
+    mtu: int = 0
+
+
+def _gid_rank(gid: str, gid_type: int) -> int | None:
+    """How good a RoCE source GID is (lower is better), None for an empty entry. Routed RoCE v2
+    with an IPv4-mapped address first (what a datacenter fabric routes), then other RoCE v2, and
+    RoCE v1 (L2 only: a routed fabric drops it) last."""
+    digits = gid.replace(":", "")
+    if not digits.strip("0"):
+        return None
+    v4 = digits[:20] == "0" * 20 and digits[20:24].lower() == "ffff"
+    local = digits[:4].lower() == "fe80"
+    if gid_type != GID_TYPE_ROCE_V2:
+        return 3
+    return 0 if v4 else 2 if local else 1
 
 
 @dataclass(frozen=True)
@@ -145,6 +234,7 @@ class Verbs:
             e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         )
         self.READ_ONLY_ACCESS = int(e.IBV_ACCESS_REMOTE_READ)
+        self.transport_of: dict[str, int] = {}  # device -> IBV_TRANSPORT_*, from devices()
 
     def devices(self) -> list[str]:
         """Names of the RDMA devices; ConfigError with the fix when there are none."""
@@ -154,6 +244,10 @@ class Verbs:
         except self.lib.PyverbsError as exc:  # pyverbs raises rather than return [] with none
             devs, why = [], f"listing devices failed: {exc}"
         names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+        self.transport_of = {
+            n: int(getattr(d, "transport_type", TRANSPORT_IB))
+            for n, d in zip(names, devs, strict=True)
+        }
         if not names:
             raise ConfigError(
                 f"no RDMA device ({why}): the rdma transport needs an InfiniBand/RoCE NIC with "
@@ -162,7 +256,8 @@ class Verbs:
             )
         return names
 
-    def open(self, name: str, port: int, gid_index: int) -> Nic:
+    def open(self, name: str, port: int, gid_index: int = -1) -> Nic:
+        """Open ``name``; ``gid_index`` -1 picks this NIC's GID itself (Nic.probe_gid)."""
         return Nic(self, name, port, gid_index)
 
     def check_memlock(self, minimum: int) -> None:
@@ -189,6 +284,8 @@ class Nic:
         self.port = port
         self.gid_index = gid_index
         self.lock = threading.Lock()  # post_send and poll are not safe to call concurrently
+        self.traffic_class = 0  # the GRH's, on RoCE: DSCP << 2 (the transport sets both)
+        self.service_level = 0  # the LRH's, on InfiniBand
         try:
             self.ctx = lib.Context(name=name)
             attr = self.ctx.query_port(port)
@@ -202,11 +299,78 @@ class Nic:
                 )
             self.lid = int(attr.lid)
             self.mtu = int(attr.active_mtu)
-            self.gid = str(self.ctx.query_gid(port, gid_index))
+            self.link_layer = int(getattr(attr, "link_layer", LINK_LAYER_ETHERNET))
+            table_len = int(getattr(attr, "gid_tbl_len", 1))
+            why = self._unsupported(verbs.transport_of.get(name, TRANSPORT_IB), table_len)
+            if why:
+                self.ctx.close()
+                raise ConfigError(f"RDMA device {name} port {port} {why}", nic=name)
+            if gid_index < 0:
+                self.gid_index = self.probe_gid(table_len)
+            self.gid = str(self.ctx.query_gid(port, self.gid_index))
+            self._caps(self.ctx.query_device())
             self.pd = lib.PD(self.ctx)
-            self.cq = lib.CQ(self.ctx, 4096)
+            self.cq = lib.CQ(self.ctx, self.cq_size)
         except lib.PyverbsError as exc:
             raise ConfigError(f"RDMA device {name} cannot be opened: {exc}", nic=name) from None
+
+    def _caps(self, dev: Any) -> None:
+        """What this device allows, from ibv_query_device: a QP, CQ or rd_atomic depth above
+        the device's is refused (EINVAL) at create or connect time, and devices differ."""
+        self.max_qp_wr = max(1, int(dev.max_qp_wr))
+        # One CQ per NIC holds the completions of every QP on it; the rails bound what they
+        # post by it (NicState credits), so it cannot overrun.
+        self.cq_size = max(1, min(CQ_ENTRIES, int(dev.max_cqe)))
+        self.max_rd_atomic = max(1, min(RD_ATOMIC, int(dev.max_qp_init_rd_atom)))
+        self.max_dest_rd_atomic = max(1, min(RD_ATOMIC, int(dev.max_qp_rd_atom)))
+
+    def _unsupported(self, transport: int, table_len: int) -> str | None:
+        """Why this device cannot carry the transport's RC QPs (None: it can). They are brought
+        up by hand (modify_qp with an address vector), which only InfiniBand and RoCE devices
+        take: an iWARP device needs the RDMA CM, EFA has no RC, a management or storage NIC
+        with no GID has no address to be reached at."""
+        if transport != TRANSPORT_IB:
+            return (
+                f"is not an InfiniBand/RoCE device (transport type {transport}: iWARP, usNIC or "
+                "EFA), whose QPs this transport cannot connect"
+            )
+        if self.link_layer not in (LINK_LAYER_INFINIBAND, LINK_LAYER_ETHERNET):
+            return f"has link layer {self.link_layer}, neither InfiniBand nor Ethernet (RoCE)"
+        if table_len < 1:
+            return "has an empty GID table (no IP address on its netdev?)"
+        return None
+
+    def port_active(self) -> bool:
+        """Is the port ACTIVE now? False too when the device no longer answers."""
+        try:
+            return int(self.ctx.query_port(self.port).state) == PORT_ACTIVE
+        except self.lib.PyverbsError:
+            return False
+
+    def probe_gid(self, table_len: int) -> int:
+        """This NIC's best source GID index. InfiniBand routes by LID: index 0, the port GID.
+        RoCE: the table's best entry by _gid_rank (index 0 on mlx5 is RoCE v1 link-local, which
+        a routed fabric drops, so a fixed index would silently leave RDMA unused)."""
+        if self.link_layer == LINK_LAYER_INFINIBAND:
+            return 0
+        best: tuple[int, int] | None = None
+        for i in range(max(table_len, 1)):
+            try:
+                gid = str(self.ctx.query_gid(self.port, i))
+                gid_type = int(self.ctx.query_gid_type(self.port, i))
+            except self.lib.PyverbsError:
+                continue  # an empty or unreadable entry
+            rank = _gid_rank(gid, gid_type)
+            if rank is not None and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            self.ctx.close()
+            raise ConfigError(
+                f"RDMA device {self.name} port {self.port} has no usable GID (is an IP address "
+                "configured on its netdev?); or set transport_settings['rdma']['gid_index']",
+                nic=self.name,
+            )
+        return best[1]
 
     # -- memory -----------------------------------------------------------------------------
     def reg_mr(self, addr: int, length: int, access: int) -> Any:
@@ -215,20 +379,19 @@ class Nic:
         except self.lib.PyverbsError as exc:
             raise self._reg_error(exc, addr, length) from None
 
-    def reg_dmabuf_mr(self, fd: int, offset: int, length: int, addr: int, access: int) -> Any:
-        """A dma-buf MR over device memory, addressed by peers at ``addr`` (its iova)."""
+    def reg_dmabuf_mr(
+        self, fd: int, offset: int, length: int, addr: int, access: int
+    ) -> tuple[Any, int]:
+        """A dma-buf MR over device memory ``[addr, addr + length)``, and the iova it starts at.
+        pyverbs' DmaBufMR (rdma-core 34..64) takes no iova and registers at iova = ``offset``,
+        so work requests address it from there, not by ``addr``, on both sides."""
         if self.lib.DmaBufMR is None:
             raise ConfigError("this pyverbs has no DmaBufMR (rdma-core >= 34 has it)")
         try:
-            return self.lib.DmaBufMR(self.pd, length, access, dmabuf=fd, offset=offset, iova=addr)
-        except TypeError:
-            raise ConfigError(
-                "this pyverbs' DmaBufMR cannot place an MR at the tensor's address (no iova "
-                "argument): load nvidia-peermem and set transport_settings['rdma']['gpu_mr'] "
-                "to 'peermem'"
-            ) from None
+            mr = self.lib.DmaBufMR(self.pd, length, access, dmabuf=fd, offset=offset)
         except self.lib.PyverbsError as exc:
             raise self._reg_error(exc, addr, length) from None
+        return mr, offset
 
     def _reg_error(self, exc: Exception, addr: int, length: int) -> ConfigError:
         code = getattr(exc, "error_code", -1)
@@ -241,7 +404,9 @@ class Nic:
     # -- queue pairs ------------------------------------------------------------------------
     def create_qp(self, max_wr: int) -> Any:
         lib, e = self.lib, self.lib.e
-        cap = lib.QPCap(max_send_wr=max_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        cap = lib.QPCap(
+            max_send_wr=min(max_wr, self.max_qp_wr), max_recv_wr=1, max_send_sge=1, max_recv_sge=1
+        )
         init = lib.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
         try:
             return lib.QP(self.pd, init)
@@ -249,8 +414,10 @@ class Nic:
             raise TransportBroken(f"cannot create a QP on {self.name}: {exc}") from None
 
     def connect(self, qp: Any, remote: QpAddr, psn: int) -> None:
-        """RESET -> INIT -> RTR -> RTS, aimed at ``remote``."""
+        """RESET -> INIT -> RTR -> RTS, aimed at ``remote``, at the smaller path MTU of the two
+        ends (a packet longer than the peer's MTU is dropped or NAKed as an invalid request)."""
         lib, e = self.lib, self.lib.e
+        mtu = min(self.mtu, remote.mtu) if remote.mtu else self.mtu
         try:
             attr = lib.QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
             attr.port_num = self.port
@@ -258,23 +425,34 @@ class Nic:
             attr.qp_access_flags = self.verbs.REMOTE_ACCESS
             qp.to_init(attr)
             attr = lib.QPAttr(qp_state=e.IBV_QPS_RTR, cur_qp_state=e.IBV_QPS_INIT)
-            attr.path_mtu = self.mtu
+            attr.path_mtu = mtu
             attr.dest_qp_num = remote.qpn
             attr.rq_psn = remote.psn
-            attr.max_dest_rd_atomic = 16
+            attr.max_dest_rd_atomic = self.max_dest_rd_atomic
             attr.min_rnr_timer = 12
-            gr = lib.GlobalRoute(dgid=lib.GID(remote.gid), sgid_index=self.gid_index)
-            attr.ah_attr = lib.AHAttr(dlid=remote.lid, is_global=1, port_num=self.port, gr=gr)
+            gr = lib.GlobalRoute(
+                dgid=lib.GID(remote.gid),
+                sgid_index=self.gid_index,
+                traffic_class=self.traffic_class,
+            )
+            attr.ah_attr = lib.AHAttr(
+                dlid=remote.lid, sl=self.service_level, is_global=1, port_num=self.port, gr=gr
+            )
             qp.to_rtr(attr)
             attr = lib.QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RTR)
             attr.sq_psn = psn
             attr.timeout = 14
             attr.retry_cnt = 7
             attr.rnr_retry = 7
-            attr.max_rd_atomic = 16
+            attr.max_rd_atomic = self.max_rd_atomic
             qp.to_rts(attr)
         except lib.PyverbsError as exc:
             raise TransportBroken(f"cannot connect a QP on {self.name}: {exc}") from None
+        except (OverflowError, TypeError, ValueError) as exc:
+            # pyverbs' Cython setters refuse a peer's QPN, PSN, LID or MTU out of their range
+            raise TransportBroken(
+                f"cannot connect a QP on {self.name}: the peer sent {remote}: {exc}"
+            ) from None
 
     def to_error(self, qp: Any) -> None:
         """Move ``qp`` to ERR: the NIC stops moving its bytes and flushes what is queued."""
