@@ -4,14 +4,20 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 its registry raises on a duplicate name, so registering is guarded: a second call (the same
 process loading plugins twice) is a no-op, and a different class already holding the name is an
 error rather than a silent overwrite. It also registers the ``mooncake_p2p`` load format (a model
-loader that fetches the checkpoint from the P2P swarm first).
+loader that fetches the checkpoint from the P2P swarm first), and, when
+``MOONCAKE_CONNECTORS_EPLB_POLICY=mooncake`` is set, our EPLB policy (:mod:`.eplb`).
 """
 
 from __future__ import annotations
 
+import os
+
 from ...errors import PluginError
 from .config import CONNECTOR_NAME
 from .store_config import STORE_CONNECTOR_NAME
+
+# Read here so that vLLM's EPLB modules are imported only by deployments that ask for our policy.
+EPLB_POLICY_ENV = "MOONCAKE_CONNECTORS_EPLB_POLICY"
 
 CONNECTORS = {
     CONNECTOR_NAME: ("mooncake_connectors.adapters.vllm.connector", "MooncakeConnectorsPD"),
@@ -40,3 +46,7 @@ def register() -> None:
     from .p2p_loader import register as register_p2p_loader
 
     register_p2p_loader()
+    if os.environ.get(EPLB_POLICY_ENV, "default").strip() != "default":
+        from .eplb import install as install_eplb_policy
+
+        install_eplb_policy()
