@@ -5,7 +5,8 @@ its registry raises on a duplicate name, so registering is guarded: a second cal
 process loading plugins twice) is a no-op, and a different class already holding the name is an
 error rather than a silent overwrite. It also registers the ``mooncake_p2p`` load format (a model
 loader that fetches the checkpoint from the P2P swarm first), and, when
-``MOONCAKE_CONNECTORS_EPLB_POLICY=mooncake`` is set, our EPLB policy (:mod:`.eplb`).
+``MOONCAKE_CONNECTORS_EPLB_POLICY=mooncake`` is set, our EPLB policy (:mod:`.eplb`), and with
+``MOONCAKE_CONNECTORS_EPLB_COMMUNICATOR=mooncake`` our expert weight mover (:mod:`.eplb_transfer`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .store_config import STORE_CONNECTOR_NAME
 
 # Read here so that vLLM's EPLB modules are imported only by deployments that ask for our policy.
 EPLB_POLICY_ENV = "MOONCAKE_CONNECTORS_EPLB_POLICY"
+EPLB_COMMUNICATOR_ENV = "MOONCAKE_CONNECTORS_EPLB_COMMUNICATOR"
 
 CONNECTORS = {
     CONNECTOR_NAME: ("mooncake_connectors.adapters.vllm.connector", "MooncakeConnectorsPD"),
@@ -50,3 +52,7 @@ def register() -> None:
         from .eplb import install as install_eplb_policy
 
         install_eplb_policy()
+    if os.environ.get(EPLB_COMMUNICATOR_ENV, "default").strip() != "default":
+        from .eplb_transfer import install as install_eplb_communicator
+
+        install_eplb_communicator()
