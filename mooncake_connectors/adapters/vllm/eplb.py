@@ -18,7 +18,7 @@ the synchronous and the async path alike. Unset (or ``default``) leaves vLLM unt
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,12 +26,10 @@ from vllm.distributed.eplb import policy as _policy_pkg
 from vllm.distributed.eplb.policy.abstract import AbstractEplbPolicy
 from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
 
-from ...errors import ConfigError, PluginError
+from ...errors import PluginError
 from ...moe.align import align_to_previous
 from ...moe.planner import plan_placement
-from .plugin import EPLB_POLICY_ENV as POLICY_ENV
-
-POLICY_NAME = "mooncake"
+from ..eplb_switch import EPLB_POLICY_ENV, wants_ours
 
 
 class MooncakeEplbPolicy(AbstractEplbPolicy):  # type: ignore[misc]
@@ -79,21 +77,13 @@ def rebalance(
     return plan.physical_to_logical.clone()
 
 
-def selected_policy(environ: dict[str, str] | None = None) -> str:
-    """The policy the environment asks for: ``"default"`` (vLLM's) or ``"mooncake"``."""
-    value = (os.environ if environ is None else environ).get(POLICY_ENV, "default").strip()
-    if value not in ("default", POLICY_NAME):
-        raise ConfigError(f"{POLICY_ENV} must be 'default' or {POLICY_NAME!r}, got {value!r}")
-    return value
-
-
-def install(environ: dict[str, str] | None = None) -> bool:
+def install(environ: Mapping[str, str] | None = None) -> bool:
     """Point vLLM's ``"default"`` EPLB policy at ours when the environment asks; True if so.
 
     Idempotent. Refuses (PluginError) when another package already replaced the entry, rather
     than silently overriding it.
     """
-    if selected_policy(environ) != POLICY_NAME:
+    if not wants_ours(EPLB_POLICY_ENV, environ):
         return False
     table: dict[str, Any] = _policy_pkg.EPLB_POLICIES
     held = table.get("default")

@@ -20,8 +20,7 @@ one vLLM's process groups provide (its CPU group, gloo), as the NIXL backend use
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -33,7 +32,7 @@ from vllm.distributed.eplb.eplb_communicator import EplbCommunicator
 from ...errors import ConfigError, PluginError, TransferError, TransferTimeout
 from ...transfer_core import Batch, TransferEngine, TransferRequest
 from ...types import TransferOp
-from .plugin import EPLB_COMMUNICATOR_ENV
+from ..eplb_switch import EPLB_COMMUNICATOR_ENV, wants_ours
 
 # Per rank: segment name, and (layer, tensor) -> (base address, bytes per expert row).
 RankMeta = tuple[str, dict[tuple[int, int], tuple[int, int]]]
@@ -170,7 +169,7 @@ class MooncakeEplbCommunicator(EplbCommunicator):  # type: ignore[misc]
 
 
 def install(
-    environ: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
     engine_factory: Callable[[], TransferEngine] = TransferEngine,
 ) -> bool:
     """With ``MOONCAKE_CONNECTORS_EPLB_COMMUNICATOR=mooncake``, make vLLM's ``EplbState`` build
@@ -181,11 +180,8 @@ def install(
     global; replacing that global is the one seam. Each communicator starts its own engine
     (configured from the environment, like our connectors') and closes it in ``close()``.
     """
-    value = (os.environ if environ is None else environ).get(EPLB_COMMUNICATOR_ENV, "").strip()
-    if value in ("", "default"):
+    if not wants_ours(EPLB_COMMUNICATOR_ENV, environ):
         return False
-    if value != "mooncake":
-        raise ConfigError(f"{EPLB_COMMUNICATOR_ENV} must be 'default' or 'mooncake', got {value!r}")
     held = eplb_state.create_eplb_communicator
     if getattr(held, "_mooncake", False):
         return True

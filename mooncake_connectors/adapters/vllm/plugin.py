@@ -11,15 +11,10 @@ loader that fetches the checkpoint from the P2P swarm first), and, when
 
 from __future__ import annotations
 
-import os
-
 from ...errors import PluginError
+from ..eplb_switch import EPLB_COMMUNICATOR_ENV, EPLB_POLICY_ENV, wants_ours
 from .config import CONNECTOR_NAME
 from .store_config import STORE_CONNECTOR_NAME
-
-# Read here so that vLLM's EPLB modules are imported only by deployments that ask for our policy.
-EPLB_POLICY_ENV = "MOONCAKE_CONNECTORS_EPLB_POLICY"
-EPLB_COMMUNICATOR_ENV = "MOONCAKE_CONNECTORS_EPLB_COMMUNICATOR"
 
 CONNECTORS = {
     CONNECTOR_NAME: ("mooncake_connectors.adapters.vllm.connector", "MooncakeConnectorsPD"),
@@ -48,11 +43,12 @@ def register() -> None:
     from .p2p_loader import register as register_p2p_loader
 
     register_p2p_loader()
-    if os.environ.get(EPLB_POLICY_ENV, "default").strip() != "default":
+    # vLLM's EPLB modules are imported only by deployments that ask for our pieces.
+    if wants_ours(EPLB_POLICY_ENV):
         from .eplb import install as install_eplb_policy
 
         install_eplb_policy()
-    if os.environ.get(EPLB_COMMUNICATOR_ENV, "default").strip() != "default":
+    if wants_ours(EPLB_COMMUNICATOR_ENV):
         from .eplb_transfer import install as install_eplb_communicator
 
         install_eplb_communicator()
