@@ -23,6 +23,7 @@ from ..moe.elastic import plan_elastic
 from ..moe.placement import Placement
 from ..moe.planner import plan_placement
 from ..moe.router import ExpertRouter, RoutingMode
+from .moe_vllm import vllm_policy_rows
 from .moe_workload import expert_load, no_replication, zipf_gate_scores
 
 _REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "eplb_reference.py"
@@ -202,4 +203,5 @@ def run_moe_benchmark(*, rounds: int = 100, seed: int = 0, threads: int = 0) -> 
         "routing": _routing(rounds, seed),
         "placement": _placement(seed, reference),
         "balance_max_over_mean": _balance(seed, reference),
+        "vllm_eplb_policy": vllm_policy_rows(seed),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from typer.testing import CliRunner
@@ -25,3 +26,10 @@ def test_bench_moe_command_prints_the_measurements() -> None:
     for row in data["balance_max_over_mean"]:
         assert row["ours"] <= 1.05 * row["deepseek_reference"]
         assert row["ours"] < row["no_replication"]
+    # The vLLM policy row runs where vLLM is installed (asserted in integration_tests/vllm_eplb)
+    # and says why not elsewhere.
+    row = data["vllm_eplb_policy"]
+    if importlib.util.find_spec("vllm") is None:
+        assert row["available"] is False and "vLLM not importable" in row["reason"]
+    else:
+        assert row["available"] is True and len(row["cases"]) == 3
