@@ -23,6 +23,7 @@ from ...errors import ConfigError
 from ...store.guarded import FAILED, GuardedStore
 from ..keys import Shard
 from .store_config import StoreConnectorConfig
+from .store_events import StoreEventLog
 from .store_inputs import key_inputs, key_token_ids
 from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
 
@@ -45,6 +46,11 @@ class BlockSpec:
     block_ids: list[int]
     hashes: list[str]
     error: str | None = None
+    # Saves only, for the KV event announcing the saved blocks (:mod:`.store_events`): the
+    # blocks' token ids, vLLM's per-block extra keys as its events publish them, the LoRA name.
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass
@@ -115,6 +121,7 @@ class StoreScheduler:
         self._loaded: set[str] = set()
         self._loads: list[BlockSpec] = []
         self._saves: list[BlockSpec] = []
+        self.events = StoreEventLog(self.tp_size)
 
     def _prompt_hashes(self, request: Request) -> list[str]:
         hashes = self._hashes.get(request.request_id)
@@ -217,8 +224,35 @@ class StoreScheduler:
         n = min(len(hashes), computed // self.block_size, len(block_ids))
         if n <= 0 or self.store.ready() is None:
             return False, None
-        self._saves.append(BlockSpec(rid, list(block_ids[:n]), hashes[:n]))
+        self._saves.append(self._save_spec(request, list(block_ids[:n]), hashes[:n]))
         return True, None  # vLLM keeps the blocks until the workers report the save done
+
+    def _save_spec(self, request: Request, block_ids: list[int], hashes: list[str]) -> BlockSpec:
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            to_event_extra_keys,
+        )
+
+        bs, extra, mm = self.block_size, [], 0
+        for b in range(len(hashes)):
+            keys, mm = generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, mm)
+            extra.append(keys)
+        lora = getattr(request, "lora_request", None)
+        return BlockSpec(
+            request.request_id,
+            block_ids,
+            hashes,
+            token_ids=list(key_token_ids(request)[: len(hashes) * bs]),
+            extra_keys=to_event_extra_keys(extra),
+            lora_name=None if lora is None else str(lora.lora_name),
+        )
+
+    # -- KV events ---------------------------------------------------------------------------
+    def add_events(self, events: list[Any]) -> None:
+        self.events.add(events)
+
+    def take_events(self) -> list[Any]:
+        return self.events.take()
 
     def shutdown(self) -> None:
         self.store.close()
