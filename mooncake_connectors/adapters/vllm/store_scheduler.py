@@ -26,6 +26,7 @@ from .store_config import StoreConnectorConfig
 from .store_events import StoreEventLog
 from .store_inputs import key_inputs, key_token_ids
 from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
+from .store_lookup import PENDING, Lookups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -122,6 +123,8 @@ class StoreScheduler:
         self._loads: list[BlockSpec] = []
         self._saves: list[BlockSpec] = []
         self.events = StoreEventLog(self.tp_size)
+        # lookup_async: batch_exists off the scheduler loop, a miss once past twice its deadline
+        self.lookups = Lookups(2 * config.lookup_timeout) if config.lookup_async else None
 
     def _prompt_hashes(self, request: Request) -> list[str]:
         hashes = self._hashes.get(request.request_id)
@@ -154,16 +157,26 @@ class StoreScheduler:
     # -- load --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        if not self.load or request.request_id in self._loaded:
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if not self.load or rid in self._loaded:
             return 0, False
         start = num_computed_tokens // self.block_size
-        hit = self._hits.get(request.request_id)
+        hit = self._hits.get(rid)
         if hit is None or start < hit.start:  # asked again with less cached locally: look again
             hashes = self._prompt_hashes(request)
-            held = self._held_blocks(hashes[start:]) if start < len(hashes) else 0
+            if start >= len(hashes) or self.store.ready() is None:
+                held = 0
+            elif self.lookups is None:
+                held = self._held_blocks(hashes[start:])
+            else:
+                got = self.lookups.poll(rid, start, lambda: self._held_blocks(hashes[start:]))
+                if got is PENDING:
+                    return None, False  # vLLM skips the request this step, asks again next
+                assert isinstance(got, int)
+                held = got
             hit = _Hit(start, start + held)
-            self._hits[request.request_id] = hit
+            self._hits[rid] = hit
         count = hit.end * self.block_size - num_computed_tokens
         return (count, self.config.load_async) if count > 0 else (0, False)
 
@@ -211,6 +224,8 @@ class StoreScheduler:
         rid = request.request_id
         self._hits.pop(rid, None)
         self._loaded.discard(rid)
+        if self.lookups is not None:
+            self.lookups.forget(rid)
         hashes = self._hashes.pop(rid, None)
         if not self.save or request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -255,4 +270,6 @@ class StoreScheduler:
         return self.events.take()
 
     def shutdown(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         self.store.close()
