@@ -82,12 +82,16 @@ class _Ours:
         memory: str,
         load_async: bool = False,
         transports: tuple[str, ...] = ("shm", "tcp"),
+        lookup_async: bool = True,
     ) -> None:
         self.load_async = load_async
+        self.lookup_async = lookup_async
         self.transports = transports
         self.name = "mooncake-connectors MooncakeConnectorsStore" + (
             " (load_async)" if load_async else ""
         )
+        if not lookup_async:
+            self.name += " (synchronous lookup)"
         if transports != ("shm", "tcp"):
             self.name += f" ({','.join(transports)})"
         self.work = work
@@ -113,6 +117,7 @@ class _Ours:
             "kv_connector_extra_config": {
                 "master": self.master,
                 "load_async": self.load_async,
+                "lookup_async": self.lookup_async,
                 "transports": list(self.transports),
             },
         }
@@ -196,6 +201,7 @@ def _tag(runner: Any) -> str:
     if isinstance(runner, _Ours):
         tag += "_tcp" if runner.transports == ("tcp",) else ""
         tag += "_load_async" if runner.load_async else ""
+        tag += "" if runner.lookup_async else "_sync_lookup"
     return tag
 
 
@@ -235,6 +241,7 @@ def run_store_benchmark(
     with_mooncake: bool = True,
     with_ours: bool = True,
     with_ours_async: bool = False,
+    with_ours_sync_lookup: bool = False,
     transports: tuple[str, ...] = ("shm", "tcp"),
     tcp_only: bool = True,
     baseline: bool = True,
@@ -259,6 +266,8 @@ def run_store_benchmark(
         runners.append(_Ours(work, memory, transports=("tcp",)))
     if with_ours_async:
         runners.append(_Ours(work, memory, load_async=True, transports=transports))
+    if with_ours_sync_lookup:
+        runners.append(_Ours(work, memory, transports=transports, lookup_async=False))
     skipped = None
     if with_mooncake:
         if importlib.util.find_spec("mooncake") is None:

@@ -173,6 +173,12 @@ def bench_vllm_store(
     ours_async: Annotated[
         bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
     ] = False,
+    ours_sync_lookup: Annotated[
+        bool,
+        typer.Option(
+            help="Also run ours with lookup_async off (lookup inside the scheduler step)."
+        ),
+    ] = False,
     transports: OurTransports = DEFAULT_TRANSPORT_LIST,
     tcp_only: Annotated[
         bool, typer.Option(help="Also run ours TCP only (data and control), like for like.")
@@ -204,6 +210,7 @@ def bench_vllm_store(
             with_mooncake=mooncake,
             with_ours=ours,
             with_ours_async=ours_async,
+            with_ours_sync_lookup=ours_sync_lookup,
             transports=tuple(split_csv(transports)),
             tcp_only=tcp_only,
             baseline=baseline,

@@ -62,6 +62,12 @@ STORE_KEYS: dict[str, Key] = {
         "true: load on a worker thread while vLLM keeps stepping; false: load inside the step "
         "that schedules the request (lower TTFT; that step waits for the load) (default false)",
     ),
+    "lookup_async": Key(
+        Kind.BOOL,
+        "true: the scheduler's existence query runs on a thread and vLLM skips the request "
+        "until it answers (a slow or hung store never holds a scheduler step); false: it runs "
+        "inside the scheduler step (default true)",
+    ),
     **TLS_KEYS,
 }
 SCHEMA = Schema(
@@ -87,6 +93,7 @@ class StoreConnectorConfig(Credentials):
     cooldown: float = 5.0
     replicas: int = 1
     load_async: bool = False
+    lookup_async: bool = True
 
     def __post_init__(self) -> None:
         for key in ("timeout", "lookup_timeout", "cooldown"):

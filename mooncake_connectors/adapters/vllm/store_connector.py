@@ -8,7 +8,7 @@ converts vLLM's arguments and forwards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -17,13 +17,16 @@ from ...cpu_amx import enable_amx_tiles
 from .base_connector import DelegatingConnector, num_kv_heads
 from .stats import StorePromMetrics, StoreStats
 from .store_config import StoreConnectorConfig
+from .store_events import StoreKVEvents
 from .store_scheduler import StoreConnectorMetadata, StoreScheduler, block_keys
 from .store_worker import StoreWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
 
 
 class MooncakeConnectorsStore(
@@ -70,6 +73,19 @@ class MooncakeConnectorsStore(
         return StoreWorker(
             config, keys, layers, kv_cache_config.num_blocks, num_kv_heads(kv_cache_config)
         )
+
+    # -- KV events: the blocks the store holds (store_events) -------------------------------
+    def get_kv_connector_kv_cache_events(self) -> StoreKVEvents | None:
+        events = self.worker.take_events()
+        return StoreKVEvents(events) if events else None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        events = connector_output.kv_cache_events
+        if isinstance(events, StoreKVEvents):
+            self.scheduler.add_events(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()
 
     # -- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

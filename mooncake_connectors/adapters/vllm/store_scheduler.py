@@ -23,8 +23,10 @@ from ...errors import ConfigError
 from ...store.guarded import FAILED, GuardedStore
 from ..keys import Shard
 from .store_config import StoreConnectorConfig
+from .store_events import StoreEventLog
 from .store_inputs import key_inputs, key_token_ids
 from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
+from .store_lookup import PENDING, Lookups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,6 +47,11 @@ class BlockSpec:
     block_ids: list[int]
     hashes: list[str]
     error: str | None = None
+    # Saves only, for the KV event announcing the saved blocks (:mod:`.store_events`): the
+    # blocks' token ids, vLLM's per-block extra keys as its events publish them, the LoRA name.
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass
@@ -115,6 +122,9 @@ class StoreScheduler:
         self._loaded: set[str] = set()
         self._loads: list[BlockSpec] = []
         self._saves: list[BlockSpec] = []
+        self.events = StoreEventLog(self.tp_size)
+        # lookup_async: batch_exists off the scheduler loop, a miss once past twice its deadline
+        self.lookups = Lookups(2 * config.lookup_timeout) if config.lookup_async else None
 
     def _prompt_hashes(self, request: Request) -> list[str]:
         hashes = self._hashes.get(request.request_id)
@@ -147,16 +157,26 @@ class StoreScheduler:
     # -- load --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        if not self.load or request.request_id in self._loaded:
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if not self.load or rid in self._loaded:
             return 0, False
         start = num_computed_tokens // self.block_size
-        hit = self._hits.get(request.request_id)
+        hit = self._hits.get(rid)
         if hit is None or start < hit.start:  # asked again with less cached locally: look again
             hashes = self._prompt_hashes(request)
-            held = self._held_blocks(hashes[start:]) if start < len(hashes) else 0
+            if start >= len(hashes) or self.store.ready() is None:
+                held = 0
+            elif self.lookups is None:
+                held = self._held_blocks(hashes[start:])
+            else:
+                got = self.lookups.poll(rid, start, lambda: self._held_blocks(hashes[start:]))
+                if got is PENDING:
+                    return None, False  # vLLM skips the request this step, asks again next
+                assert isinstance(got, int)
+                held = got
             hit = _Hit(start, start + held)
-            self._hits[request.request_id] = hit
+            self._hits[rid] = hit
         count = hit.end * self.block_size - num_computed_tokens
         return (count, self.config.load_async) if count > 0 else (0, False)
 
@@ -204,6 +224,8 @@ class StoreScheduler:
         rid = request.request_id
         self._hits.pop(rid, None)
         self._loaded.discard(rid)
+        if self.lookups is not None:
+            self.lookups.forget(rid)
         hashes = self._hashes.pop(rid, None)
         if not self.save or request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -217,8 +239,37 @@ class StoreScheduler:
         n = min(len(hashes), computed // self.block_size, len(block_ids))
         if n <= 0 or self.store.ready() is None:
             return False, None
-        self._saves.append(BlockSpec(rid, list(block_ids[:n]), hashes[:n]))
+        self._saves.append(self._save_spec(request, list(block_ids[:n]), hashes[:n]))
         return True, None  # vLLM keeps the blocks until the workers report the save done
 
+    def _save_spec(self, request: Request, block_ids: list[int], hashes: list[str]) -> BlockSpec:
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            to_event_extra_keys,
+        )
+
+        bs, extra, mm = self.block_size, [], 0
+        for b in range(len(hashes)):
+            keys, mm = generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, mm)
+            extra.append(keys)
+        lora = getattr(request, "lora_request", None)
+        return BlockSpec(
+            request.request_id,
+            block_ids,
+            hashes,
+            token_ids=list(key_token_ids(request)[: len(hashes) * bs]),
+            extra_keys=to_event_extra_keys(extra),
+            lora_name=None if lora is None else str(lora.lora_name),
+        )
+
+    # -- KV events ---------------------------------------------------------------------------
+    def add_events(self, events: list[Any]) -> None:
+        self.events.add(events)
+
+    def take_events(self) -> list[Any]:
+        return self.events.take()
+
     def shutdown(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         self.store.close()

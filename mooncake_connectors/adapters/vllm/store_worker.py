@@ -37,11 +37,13 @@ from ...store.guarded import FAILED, GuardedStore
 from ...store.writer import Result
 from .stats import StoreStats
 from .store_config import StoreConnectorConfig
+from .store_events import stored_event
 from .store_keys import BlockKeys
 from .store_scheduler import BlockSpec, StoreConnectorMetadata
 
 if TYPE_CHECKING:
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class StoreWorker:
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()
         self._saved: set[str] = set()
+        self._events: list[KVCacheEvent] = []
         self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
             queue.PriorityQueue()
         )
@@ -252,6 +255,7 @@ class StoreWorker:
                     errors[0],
                 )
             per_block = len(self.layers)
+            self._record_held(spec, todo, results, per_block)
             self.stats.record_save(
                 time.perf_counter() - t0,
                 sum(sizes[i] for i in todo),
@@ -269,6 +273,31 @@ class StoreWorker:
         finally:
             with self._lock:
                 self._saved.add(spec.request_id)
+
+    def _record_held(
+        self, spec: BlockSpec, todo: list[int], results: list[Result], per_block: int
+    ) -> None:
+        """Queue the KV event for the leading blocks now held for every layer of this rank."""
+        failed = {
+            i
+            for i, e in zip(todo, results, strict=True)
+            if e is not None and not isinstance(e, ObjectExists)
+        }
+        held = 0
+        while held < len(spec.hashes) and not any(
+            held * per_block + j in failed for j in range(per_block)
+        ):
+            held += 1
+        event = stored_event(spec, held)
+        if event is not None:
+            with self._lock:
+                self._events.append(event)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call (``get_kv_connector_kv_cache_events``)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
 
     def shutdown(self) -> None:
         self._submit(_STOP, None)
