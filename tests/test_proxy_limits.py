@@ -140,6 +140,34 @@ def test_bad_bodies_get_400_and_a_dead_decode_502_without_a_traceback(
     assert noisy == [], [r.getMessage() for r in noisy]
 
 
+MALFORMED = [  # what aiohttp's own parser refuses, before any handler of ours runs
+    b"PATCH http://x/y \r\n\r\n",
+    b"POST /v1/completions HTTP/9.9\r\nHost: p\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nContent-Length: 111111111111111111111111111111\r\n\r\n",
+    b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+]
+
+
+def test_malformed_requests_get_400_and_a_few_lines_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # aiohttp logs each parser refusal at ERROR with its traceback (a fuzz run: 552 of them)
+    caplog.set_level(logging.WARNING)
+
+    async def go() -> None:
+        async with cluster() as (_, _, url):
+            port = int(url.rsplit(":", 1)[1])
+            for i in range(60):
+                status, _ = await _in_thread(raw_request, port, MALFORMED[i % len(MALFORMED)])
+                assert status == 400, (i, status)
+
+    run(go())
+    noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert noisy == [], [r.getMessage() for r in noisy[:3]]
+    refused = [r for r in caplog.records if "malformed request" in r.getMessage()]
+    assert 1 <= len(refused) <= 10, len(refused)  # 5 per 10 s, then a count
+
+
 async def _in_thread(fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 

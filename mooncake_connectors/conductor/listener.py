@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ..errors import ProtocolError
 from ..netguard import (
@@ -58,6 +59,7 @@ class _GuardedHandler(web.RequestHandler):
         read_deadline: float,
         idle_timeout: float,
         cuts: RateLimitedLog,
+        bad: RateLimitedLog,
     ) -> None:
         # access_log=None: no line per request (aiohttp takes None so; its annotation says Logger)
         super().__init__(
@@ -69,8 +71,22 @@ class _GuardedHandler(web.RequestHandler):
         self.read_deadline = read_deadline
         self.idle_timeout = idle_timeout
         self.cuts = cuts
+        self.bad = bad
         self.phase = _IDLE
         self.timer: asyncio.TimerHandle | None = None
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # A request aiohttp's parser refused (bad request line, headers, lengths) is a peer's
+        # doing, answered 400: one rate-limited line, no traceback. Anything else is ours.
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            self.bad.warning(
+                "refused a malformed request (%s): %s",
+                exc.code,
+                " ".join(exc.message.split())[:200],
+            )
+            return
+        super().log_exception(*args, **kw)
 
     def arm(self, phase: int, seconds: float | None) -> None:
         if self.timer is not None:
@@ -150,6 +166,7 @@ class GuardedListener:
         self.port: int = self.sock.getsockname()[1]
         self.backoff = AcceptBackoff(f"proxy {host}:{self.port}", log)
         self.cuts = RateLimitedLog(log)
+        self.bad = RateLimitedLog(log, burst=5)
         self._task: asyncio.Task[None] | None = None
         self._connecting: set[asyncio.Task[None]] = set()
 
@@ -179,6 +196,7 @@ class GuardedListener:
             read_deadline=self.read_deadline,
             idle_timeout=self.idle_timeout,
             cuts=self.cuts,
+            bad=self.bad,
         )
 
     async def _accept_loop(self) -> None:
