@@ -264,3 +264,20 @@ def test_no_rdma_device_says_so_and_exits_non_zero(lib: Path, fabric: str) -> No
     )
     out = doctor(lib, "", fabric, 1, "--serve-rdma")
     assert out.returncode == 1 and "no RDMA device" in out.stderr
+
+
+def test_an_error_completion_fails_the_loop_with_what_it_means(lib: Path, fabric: str) -> None:
+    """Here a RoCE v1 GID (index 2, forced), there RoCE v2 on a routed fabric: the READ is
+    retried out, and the line says what retry exceeded means on first contact."""
+    srv = Server(lib, "mlx5_0:roce:4096:routed", fabric)
+    try:
+        forced = json.dumps({"gid_index": 2})
+        out = doctor(lib, "mlx5_0:roce:4096:routed", fabric, 1, "--peer", srv.where,
+                     "--rdma-settings", forced)  # fmt: skip
+    finally:
+        srv.close()
+    assert out.returncode == 1, out.stdout
+    line = next(x for x in out.stdout.splitlines() if "rdma-peer" in x)
+    assert line.startswith("[fail] rdma-peer: an RDMA READ on mlx5_0 completed with status 12")
+    assert "RoCE v1 across a routed fabric" in line
+    assert "GID index 2 RoCE v1" in out.stdout  # doctor shows the forced entry, as used
