@@ -30,6 +30,7 @@
  * Fault switches, read at each call: FAKE_CUDA_FAIL_INIT=1 (cuInit -> NO_DEVICE),
  * FAKE_CUDA_FAIL_EXPORT=1 (cuIpcGetMemHandle and cuMemExportToShareableHandle -> NOT_SUPPORTED),
  * FAKE_CUDA_CORRUPT_COPIES=1 (every async copy adds 1 to its first byte),
+ * FAKE_CUDA_IGNORE_WAITS=1 (cuStreamWaitEvent orders nothing: a driver that loses the wait),
  * FAKE_CUDA_HIDE=cuA,cuB (cuGetProcAddress does not know them: an older driver), read at start,
  * FAKE_CUDA_ATTRS=103=0,124=1 (device attributes answered otherwise).
  * fake_cuda_counters() reports what happened, for the tests' assertions.
@@ -764,7 +765,7 @@ CUresult cuStreamWaitEvent(struct stream *s, struct event *e, unsigned int flags
     if (s && (uintptr_t)s > 2 && !(s->magic == MAGIC_STREAM)) return E_INVALID_HANDLE;
     if (e == NULL || e->magic != MAGIC_EVENT) return E_INVALID_HANDLE;
     bump(C_WAITS);
-    if (e->on) order_flush(e->on, e->upto);
+    if (e->on && !env_on("FAKE_CUDA_IGNORE_WAITS")) order_flush(e->on, e->upto);
     return OK;
 }
 
