@@ -162,5 +162,6 @@ def test_copies_of_a_kernels_bytes_wait_for_its_stream_through_a_fence_not_the_h
         assert case["unfenced_stale"][0] and case["unfenced_stale"][1] > 0, (name, case)
         # with the fence: the kernel's bytes, no stale copy, one stream wait on the GPU
         assert case["fenced_ok"] == [True, 0, 1], (name, case)
+        assert case["own_stream_ok"] == [True, 0], (name, case)  # a non-default stream's handle
         assert case["current_after"] == 1, name  # the application's current device stays
     assert out["counters"]["ctx_mismatch"] == 0 and out["counters"]["no_ctx"] == 0

@@ -265,10 +265,11 @@ def fd_exports() -> dict[str, Any]:
     return out
 
 
-def produce(addr: int, data: bytes) -> None:
-    """The application's kernel: writes ``data`` at ``addr`` from its stream (the current
-    context's legacy NULL stream, torch's default); the fake lands it only when ordered."""
-    mem.ok(cu.cuMemcpyHtoDAsync(addr, data, len(data), cu.CUstream(0)))
+def produce(addr: int, data: bytes, stream: Any = None) -> None:
+    """The application's kernel: writes ``data`` at ``addr`` from its stream (by default the
+    current context's legacy NULL stream, torch's default); the fake lands it only when
+    ordered."""
+    mem.ok(cu.cuMemcpyHtoDAsync(addr, data, len(data), stream or cu.CUstream(0)))
 
 
 def ordering() -> dict[str, Any]:
@@ -298,9 +299,19 @@ def ordering() -> dict[str, Any]:
             p.engine.write(p.seg, local, remote, n, after=fence)
             got = p.digest(remote, n) == hashlib.sha256(want).hexdigest()
             after = counters()
+            # a stream the application made itself (torch.cuda.Stream), by its raw handle
+            mem.ok(cu.cuCtxSetCurrent(mem.dev(0).ctx))
+            own = mem.ok(cu.cuStreamCreate(1))
+            want2 = pattern(23, n).tobytes()
+            produce(local, want2, own)
+            mem.ok(cu.cuCtxSetCurrent(mem.dev(1).ctx))
+            p.engine.write(p.seg, local, remote, n, after=cuda_driver.Fence(0, int(own)))
+            got2 = p.digest(remote, n) == hashlib.sha256(want2).hexdigest()
+            mem.ok(cu.cuStreamDestroy(own))
             out[name] = {
                 "unfenced_stale": [stale, mid["stale"] - before["stale"]],
                 "fenced_ok": [got, after["stale"] - mid["stale"], after["waits"] - mid["waits"]],
+                "own_stream_ok": [got2, counters()["stale"] - after["stale"]],
                 "current_after": current_device(),
             }
         finally:
