@@ -166,3 +166,18 @@ def test_exported_descriptors_are_closed_when_their_region_goes(
 ) -> None:
     out = run_scenario("fd_exports", tmp_path)
     assert (out["registered"], out["after_unregister"], out["after_close"]) == (2, 1, 0)
+
+
+def test_copies_of_a_kernels_bytes_wait_for_its_stream_through_a_fence_not_the_host(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("ordering", tmp_path)
+    for name in ("cuda_ipc", "tcp"):
+        case = out[name]
+        # the control: a copy that does not wait reads the bytes before the kernel wrote them
+        assert case["unfenced_stale"][0] and case["unfenced_stale"][1] > 0, (name, case)
+        # with the fence: the kernel's bytes, no stale copy, one stream wait on the GPU
+        assert case["fenced_ok"] == [True, 0, 1], (name, case)
+        assert case["own_stream_ok"] == [True, 0], (name, case)  # a non-default stream's handle
+        assert case["current_after"] == 1, name  # the application's current device stays
+    assert out["counters"]["ctx_mismatch"] == 0 and out["counters"]["no_ctx"] == 0
