@@ -40,6 +40,7 @@ from mooncake_connectors.adapters.vllm.store_config import StoreConnectorConfig
 from mooncake_connectors.adapters.vllm.store_connector import MooncakeConnectorsStore
 from mooncake_connectors.adapters.vllm.store_keys import prompt_block_hashes
 from mooncake_connectors.adapters.vllm.store_scheduler import (
+    BlockSpec,
     StoreConnectorMetadata,
     block_keys,
     group_windows,
@@ -211,3 +212,36 @@ def test_groups_other_than_full_or_sliding_window_are_refused(tiny_model: Path) 
     with pytest.raises(ConfigError, match=r"group 0.*ChunkedLocalAttentionSpec"):
         group_windows(hybrid_config(tiny_model, "127.0.0.1:1"), chunked)
     assert group_windows(hybrid_config(tiny_model, "127.0.0.1:1"), HYBRID) == [WINDOW, 0]
+
+
+def test_worker_skips_null_blocks_and_fails_loads_from_the_first_missing_block(
+    tiny_model: Path, store
+) -> None:
+    hashes = prompt_block_hashes(PROMPT, BS)[:3]
+    src = torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD).to(torch.bfloat16)
+    wa, wb = worker(tiny_model, store[0], src), worker(tiny_model, store[0], torch.zeros_like(src))
+    try:
+        # the sliding-window group holds no block 0 (null): nothing is saved for it there
+        save = BlockSpec("s", [5, 6, 7, 8, 9], hashes, groups=[[0, 5, 6], [7, 8, 9]])
+        wa.start_load_kv(StoreConnectorMetadata(saves=[save]))
+        wait_until(lambda: done(wa, 0, "s"), 10, "the save")
+        keys, layers = block_keys(
+            StoreConnectorConfig(master=store[0]), hybrid_config(tiny_model, store[0]), HYBRID, SWA
+        )
+        with StoreClient(ClientConfig(master=store[0])) as c:
+            assert c.batch_exists(keys.keys(hashes, layers)) == [False, True, True]
+        # loading a block the group did not save fails from that block on, every group's
+        wb.start_load_kv(
+            StoreConnectorMetadata(
+                loads=[BlockSpec("l", [], hashes, groups=[[11, 12, 13], [14, 15, 16]])]
+            )
+        )
+        wait_until(lambda: done(wb, 1, "l"), 10, "the load")
+        assert wb.take_load_errors() == {11, 12, 13, 14, 15, 16}
+        ok = BlockSpec("m", [12, 13, 14, 15, 16], hashes, groups=[[0, 12, 13], [14, 15, 16]])
+        wb.start_load_kv(StoreConnectorMetadata(loads=[ok]))
+        wait_until(lambda: done(wb, 1, "m"), 10, "the second load")
+        assert wb.take_load_errors() == set()
+    finally:
+        wa.shutdown()
+        wb.shutdown()
