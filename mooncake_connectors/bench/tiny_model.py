@@ -7,6 +7,10 @@ The seed is fixed, so two builds give the same weights. Needs ``transformers`` a
 (both come with vLLM).
 
     python -m mooncake_connectors.bench.tiny_model OUT_DIR [LAYERS KV_HEADS]
+
+:func:`build_gemma3` writes a tiny random Gemma 3 (text only) the same way: 3 sliding-window
+layers (a 64-token window) and 1 full-attention layer, which vLLM's hybrid KV cache manager
+serves with 4 KV cache groups.
 """
 
 from __future__ import annotations
@@ -78,6 +82,47 @@ def build(
         dtype=dtype,
     )
     model = tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def build_gemma3(out: Path, *, window: int = 64) -> Path:
+    """A tiny random Gemma 3: 4 layers (sliding, sliding, sliding, full), hidden 256, 4 heads,
+    2 KV heads of 64, the Llama's tokenizer; a finished build is reused."""
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    import importlib
+    import shutil
+
+    import torch
+
+    tf: Any = importlib.import_module("transformers")
+    llama = build(out.parent / f"{out.name}-tokenizer")  # the same tokenizer, trained once
+    out.mkdir(parents=True, exist_ok=True)
+    for f in llama.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    fast = tf.PreTrainedTokenizerFast.from_pretrained(str(llama))
+    torch.manual_seed(SEED)
+    cfg = tf.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=window,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.eos_token_id,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
+    model = tf.Gemma3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 

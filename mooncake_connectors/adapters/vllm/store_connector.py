@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...cpu_amx import enable_amx_tiles
@@ -18,7 +19,7 @@ from .base_connector import DelegatingConnector, num_kv_heads
 from .stats import StorePromMetrics, StoreStats
 from .store_config import StoreConnectorConfig
 from .store_events import StoreKVEvents
-from .store_scheduler import StoreConnectorMetadata, StoreScheduler, block_keys
+from .store_scheduler import StoreConnectorMetadata, StoreScheduler, block_keys, group_windows
 from .store_worker import StoreWorker
 
 if TYPE_CHECKING:
@@ -27,14 +28,18 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 
 class MooncakeConnectorsStore(
-    DelegatingConnector[StoreScheduler, StoreWorker, StoreConnectorConfig]
+    DelegatingConnector[StoreScheduler, StoreWorker, StoreConnectorConfig],
+    SupportsHMA,  # type: ignore[misc]  # Any without vLLM
 ):
     """Prefix-hash KV reuse across vLLM instances through mooncake-connectors' store.
 
-    Saves happen from the finished blocks (``request_finished``), not layer by layer."""
+    Saves happen from the finished blocks (``request_finished``), not layer by layer. With
+    vLLM's hybrid KV cache manager (``SupportsHMA``) each KV cache group's blocks are saved and
+    loaded (:mod:`.store_scheduler`)."""
 
     # A remote memory pool: none of vLLM's named tiers (device, host, p2p, disk) fits.
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -70,9 +75,24 @@ class MooncakeConnectorsStore(
         self, config: StoreConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     ) -> StoreWorker:
         keys, layers = block_keys(config, vllm_config, kv_cache_config)
+        groups = None
+        if group_windows(vllm_config, kv_cache_config) is not None:
+            n = len(kv_cache_config.kv_cache_groups)
+            groups = [block_keys(config, vllm_config, kv_cache_config, g) for g in range(n)]
+            layers = [name for _, names in groups for name in names]
         return StoreWorker(
-            config, keys, layers, kv_cache_config.num_blocks, num_kv_heads(kv_cache_config)
+            config,
+            keys,
+            layers,
+            kv_cache_config.num_blocks,
+            num_kv_heads(kv_cache_config),
+            groups=groups,
         )
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
 
     # -- KV events: the blocks the store holds (store_events) -------------------------------
     def get_kv_connector_kv_cache_events(self) -> StoreKVEvents | None:

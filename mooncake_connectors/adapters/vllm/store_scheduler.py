@@ -9,6 +9,13 @@ blocks for them, the workers are told which keys go into which blocks.
 
 Save: when a request finishes normally, its full prompt blocks are handed to the workers, which
 write those the store lacks; vLLM keeps the blocks until the workers report the save done.
+
+Several KV cache groups (vLLM's hybrid KV cache manager, e.g. sliding-window and full-attention
+layers): each group has its own blocks, and a sliding-window group holds only the blocks of its
+window (vLLM's null block, id 0, stands for the others). A save writes every block each group
+still holds; a hit ends at a block where every group has what vLLM allocates for it there (all
+blocks from the lookup's first for full attention, the window's for sliding window); a load reads
+only the blocks vLLM allocated.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ class BlockSpec:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     extra_keys: list[tuple[Any, ...] | None] | None = None
     lora_name: str | None = None
+    # Several KV cache groups: groups[g][i] is group g's block for hashes[i], 0 (vLLM's null
+    # block) where the group holds none; block_ids then lists every group's blocks.
+    groups: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -67,18 +77,17 @@ class _Hit:
 
 
 def block_keys(
-    config: StoreConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    config: StoreConnectorConfig,
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    group_index: int = 0,
 ) -> tuple[BlockKeys, list[str]]:
-    """The key scheme of TP rank 0 and the layer names, identical on scheduler and workers."""
+    """The key scheme of TP rank 0 and the layer names of one KV cache group, identical on
+    scheduler and workers. Each key names its layer, so groups never share a key."""
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
         raise ConfigError("the store connector does not support pipeline parallelism yet")
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ConfigError(
-            "the store connector needs one KV cache group (no hybrid KV cache manager); got "
-            f"{len(kv_cache_config.kv_cache_groups)}"
-        )
-    group = kv_cache_config.kv_cache_groups[0]
+    group = kv_cache_config.kv_cache_groups[group_index]
     spec = group.kv_cache_spec
     layout = layout_tag(
         str(spec.dtype),
@@ -89,6 +98,43 @@ def block_keys(
     model = config.model_name or str(vllm_config.model_config.model)
     shard = Shard(False, 0, pc.tensor_parallel_size)
     return BlockKeys(config.namespace, model, layout, shard), list(group.layer_names)
+
+
+def group_windows(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[int] | None:
+    """Per KV cache group, its sliding window in tokens (0: full attention); None for one
+    full-attention group (the plain layout). Other kinds of group are refused."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    specs = [g.kv_cache_spec for g in groups]
+    if len(groups) == 1 and not isinstance(specs[0], SlidingWindowSpec):
+        return None
+    windows = []
+    for i, spec in enumerate(specs):
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            raise ConfigError(
+                f"KV cache group {i}: the store connector handles full and sliding-window "
+                f"attention groups, not {type(spec).__name__}"
+            )
+        if spec.block_size != vllm_config.cache_config.block_size:
+            raise ConfigError(
+                f"KV cache group {i}: block size {spec.block_size}, the connector needs every "
+                f"group's to be {vllm_config.cache_config.block_size}"
+            )
+        if isinstance(spec, SlidingWindowSpec):
+            # vLLM keeps extra_retained_tokens below the window too
+            windows.append(max(1, spec.sliding_window + spec.extra_retained_tokens))
+        else:
+            windows.append(0)
+    return windows
+
+
+def first_held(window: int, end: int, block_size: int) -> int:
+    """The first block a group of that sliding window holds when ``end`` blocks are computed
+    (vLLM's sliding-window manager frees the blocks wholly before the window; 0: full)."""
+    if window <= 0:
+        return 0
+    return max(0, end * block_size - window + 1) // block_size
 
 
 class StoreScheduler:
@@ -105,6 +151,13 @@ class StoreScheduler:
         self.block_size: int = vllm_config.cache_config.block_size
         self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
         self.keys, self.layers = block_keys(config, vllm_config, kv_cache_config)
+        # several KV cache groups (None: one full-attention group): per group, its keys, layers
+        # and sliding window
+        self.windows = group_windows(vllm_config, kv_cache_config)
+        self.groups = [
+            block_keys(config, vllm_config, kv_cache_config, g)
+            for g in range(len(kv_cache_config.kv_cache_groups))
+        ]
         self.load = load
         self.save = save
         # Connecting happens in the background; a lookup never waits for an absent store.
@@ -134,10 +187,13 @@ class StoreScheduler:
             self._hashes[request.request_id] = hashes
         return hashes
 
-    def _held_blocks(self, hashes: list[str]) -> int:
-        """How many of ``hashes``, from the first, the store holds for every layer and rank."""
+    def _held_blocks(self, hashes: list[str], first: int = 0) -> int:
+        """How many of ``hashes``, from the first, the store holds for every layer and rank;
+        ``first``: the block index of ``hashes[0]``."""
         if not hashes or self.store.ready() is None:
             return 0
+        if self.windows is not None:
+            return self._held_group_blocks(hashes, first)
         keys = []
         for r in range(self.tp_size):
             keys.extend(self.keys.for_rank(r).keys(hashes, self.layers))
@@ -154,6 +210,37 @@ class StoreScheduler:
                     return b
         return n
 
+    def _held_group_blocks(self, hashes: list[str], first: int) -> int:
+        """Several KV cache groups: the most of ``hashes`` whose end every group can serve."""
+        assert self.windows is not None
+        keys = []
+        for r in range(self.tp_size):
+            for keys_g, layers in self.groups:
+                keys.extend(keys_g.for_rank(r).keys(hashes, layers))
+        present = self.store.call("lookup", lambda client: client.batch_exists(keys))
+        if present is FAILED:
+            return 0
+        n = len(hashes)
+        held = [[True] * n for _ in self.groups]  # held[g][b]: every layer of every rank
+        at = 0
+        for _ in range(self.tp_size):
+            for g, (_, layers) in enumerate(self.groups):
+                span = len(layers)
+                for b in range(n):
+                    held[g][b] = held[g][b] and all(present[at : at + span])
+                    at += span
+        for k in range(n, 0, -1):
+            end = first + k
+            if all(
+                all(
+                    held[g][b - first]
+                    for b in range(max(first, first_held(w, end, self.block_size)), end)
+                )
+                for g, w in enumerate(self.windows)
+            ):
+                return k
+        return 0
+
     # -- load --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -168,9 +255,11 @@ class StoreScheduler:
             if start >= len(hashes) or self.store.ready() is None:
                 held = 0
             elif self.lookups is None:
-                held = self._held_blocks(hashes[start:])
+                held = self._held_blocks(hashes[start:], start)
             else:
-                got = self.lookups.poll(rid, start, lambda: self._held_blocks(hashes[start:]))
+                got = self.lookups.poll(
+                    rid, start, lambda: self._held_blocks(hashes[start:], start)
+                )
                 if got is PENDING:
                     return None, False  # vLLM skips the request this step, asks again next
                 assert isinstance(got, int)
@@ -189,6 +278,9 @@ class StoreScheduler:
         hit = self._hits.pop(rid, None)
         hashes = self._hashes.get(rid, [])
         self._loaded.add(rid)
+        if self.windows is not None:
+            self._load_groups(rid, hit, hashes, blocks, num_external_tokens)
+            return
         (block_ids,) = blocks.get_block_ids()  # one KV cache group (checked at start)
         if hit is None:
             end = min(len(block_ids), -(-num_external_tokens // self.block_size))
@@ -210,6 +302,30 @@ class StoreScheduler:
             return
         self._loads.append(BlockSpec(rid, list(block_ids[start:end]), hashes[start:end]))
 
+    def _load_groups(
+        self,
+        rid: str,
+        hit: _Hit | None,
+        hashes: list[str],
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
+        """Several KV cache groups: load each group's allocated blocks of the hit."""
+        ids = [[0 if b.is_null else b.block_id for b in g] for g in blocks.blocks]
+        end = -(-num_external_tokens // self.block_size) if hit is None else hit.end
+        local = end * self.block_size - num_external_tokens
+        start = max(0, local // self.block_size)
+        groups = [g[start:end] for g in ids]
+        flat = [b for g in groups for b in g if b]
+        if hit is None or local < 0 or local % self.block_size or len(hashes) < end:
+            why = "no lookup recorded" if hit is None else f"unexpected allocation (local {local})"
+            self._loads.append(BlockSpec(rid, flat, [], why))
+            return
+        if any(len(g) < end - start for g in groups):
+            self._loads.append(BlockSpec(rid, flat, [], "fewer blocks allocated than the hit"))
+            return
+        self._loads.append(BlockSpec(rid, flat, hashes[start:end], groups=groups))
+
     # -- both --------------------------------------------------------------------------------
     def build_connector_meta(self, out: object = None) -> StoreConnectorMetadata:
         meta = StoreConnectorMetadata(loads=self._loads, saves=self._saves)
@@ -217,8 +333,10 @@ class StoreScheduler:
         return meta
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks, or with several KV cache groups (vLLM's
+        ``request_finished_all_groups``) each group's, 0 where a group holds none."""
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -236,10 +354,17 @@ class StoreScheduler:
             hashes = self._prompt_hashes(request)
             self._hashes.pop(rid, None)
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
-        n = min(len(hashes), computed // self.block_size, len(block_ids))
+        per_group = block_ids if isinstance(block_ids, tuple) else (block_ids,)
+        n = min(len(hashes), computed // self.block_size, *(len(g) for g in per_group))
         if n <= 0 or self.store.ready() is None:
             return False, None
-        self._saves.append(self._save_spec(request, list(block_ids[:n]), hashes[:n]))
+        if self.windows is None:
+            self._saves.append(self._save_spec(request, list(per_group[0][:n]), hashes[:n]))
+            return True, None
+        groups = [list(g[:n]) for g in per_group]
+        spec = self._save_spec(request, [b for g in groups for b in g if b], hashes[:n])
+        spec.groups = groups
+        self._saves.append(spec)
         return True, None  # vLLM keeps the blocks until the workers report the save done
 
     def _save_spec(self, request: Request, block_ids: list[int], hashes: list[str]) -> BlockSpec:

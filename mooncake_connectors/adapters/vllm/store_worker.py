@@ -5,7 +5,9 @@ into vLLM's blocks (``batch_get_into``) and saves write straight from them (``ba
 no staging copy on either side, whether the KV cache is in host or GPU memory (GPU blocks move
 over cuda_ipc on one host, and through pinned staging buffers over tcp). One object per block
 per layer (:mod:`.store_keys`); where a layer keeps K and V apart (vLLM's GPU backends), V is a
-second object, ``{layer}/v``.
+second object, ``{layer}/v``. With several KV cache groups (vLLM's hybrid KV cache manager) a
+block spec names each group's block per hash (:class:`.store_scheduler.BlockSpec`), and a
+group's blocks are read and written for that group's layers only, under that group's keys.
 
 Saves, and loads with ``load_async``, run on one thread of their own (loads first), so the model
 runner does not wait for them; without ``load_async`` a load runs inside ``start_load_kv`` of the
@@ -62,10 +64,16 @@ class StoreWorker:
         layer_names: list[str],
         num_blocks: int,
         num_kv_heads: int = 0,
+        groups: list[tuple[BlockKeys, list[str]]] | None = None,
     ) -> None:
+        """``groups``: with several KV cache groups, each one's keys and layers; then
+        ``layer_names`` is every layer of every group."""
         self.config = config
         self.keys = keys
         self.layer_names = layer_names
+        self.groups = groups
+        # per group: its keys, layouts and key names (set by register_kv_caches)
+        self._group_plan: list[tuple[BlockKeys, list[LayerLayout], list[str]]] = []
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
         self.layers: list[LayerLayout] = []
@@ -104,7 +112,11 @@ class StoreWorker:
             n if i == 0 else f"{n}/v" for n in self.layer_names for i in range(len(by_name[n]))
         ]
         self.keys = self.keys.for_rank(tp_rank)
-        spans = register_spans(self.layers)
+        for keys, names in self.groups or ():
+            lays = [lay for n in names for lay in by_name[n]]
+            knames = [n if i == 0 else f"{n}/v" for n in names for i in range(len(by_name[n]))]
+            self._group_plan.append((keys.for_rank(tp_rank), lays, knames))
+        spans = register_spans(self.layers)  # layers of different groups may share memory
         first = next(iter(kv_caches.values()))
         on_gpu = first.device.type == "cuda"
         location = f"cuda:{first.device.index or 0}" if on_gpu else "cpu:0"
@@ -123,9 +135,10 @@ class StoreWorker:
             on_connect=on_connect,
         )
         log.info(
-            "store worker %d: %d layers, %d blocks of %d bytes, keys %s/...",
+            "store worker %d: %d layers in %d KV cache groups, %d blocks of %d bytes, keys %s/...",
             tp_rank,
             len(self.layers),
+            max(1, len(self._group_plan)),
             self.num_blocks,
             self.layers[0].block_bytes,
             self.keys.prefix,
@@ -164,6 +177,8 @@ class StoreWorker:
             job()
 
     def _plan(self, spec: BlockSpec) -> tuple[list[str], list[int], list[int]]:
+        if spec.groups:
+            return self._plan_groups(spec)
         keys = self.keys.keys(spec.hashes, self.key_names)
         addrs, sizes = [], []
         for b in spec.block_ids:
@@ -173,6 +188,44 @@ class StoreWorker:
                 addrs.append(lay.addr + b * lay.stride)
                 sizes.append(lay.block_bytes)
         return keys, addrs, sizes
+
+    def _plan_groups(self, spec: BlockSpec) -> tuple[list[str], list[int], list[int]]:
+        """Block by block, then group by group (none where the group holds no block)."""
+        if len(spec.groups) != len(self._group_plan):
+            raise _Refused(f"{len(spec.groups)} KV cache groups, {len(self._group_plan)} known")
+        keys: list[str] = []
+        addrs, sizes = [], []
+        for i, h in enumerate(spec.hashes):
+            for ids, (gkeys, lays, knames) in zip(spec.groups, self._group_plan, strict=True):
+                if len(ids) != len(spec.hashes):
+                    raise _Refused(f"{len(ids)} blocks of a group for {len(spec.hashes)} hashes")
+                b = ids[i]
+                if b == 0:
+                    continue  # vLLM's null block: the group holds none there
+                if not 0 < b < self.num_blocks:
+                    raise _Refused(f"block id {b} outside 1..{self.num_blocks - 1}")
+                keys.extend(gkeys.keys([h], knames))
+                for lay in lays:
+                    addrs.append(lay.addr + b * lay.stride)
+                    sizes.append(lay.block_bytes)
+        return keys, addrs, sizes
+
+    def _key_blocks(self, spec: BlockSpec) -> list[int]:
+        """The index in ``spec.hashes`` of each key :meth:`_plan` gives."""
+        if not spec.groups:
+            return [i for i in range(len(spec.hashes)) for _ in self.layers]
+        out = []
+        for i in range(len(spec.hashes)):
+            for ids, (_, lays, _) in zip(spec.groups, self._group_plan, strict=True):
+                if ids[i]:
+                    out.extend([i] * len(lays))
+        return out
+
+    def _blocks_from(self, spec: BlockSpec, first: int) -> set[int]:
+        """The blocks of ``spec.hashes[first:]`` (of every group)."""
+        if not spec.groups:
+            return set(spec.block_ids[first:])
+        return {b for ids in spec.groups for b in ids[first:] if b}
 
     def _store(self) -> GuardedStore:
         if self.store is None or self.store.ready() is None:
@@ -186,7 +239,7 @@ class StoreWorker:
         try:
             if spec.error:
                 raise _Refused(spec.error)
-            if len(spec.hashes) != len(spec.block_ids):
+            if not spec.groups and len(spec.hashes) != len(spec.block_ids):
                 raise _Refused(f"{len(spec.hashes)} hashes for {len(spec.block_ids)} blocks")
             keys, addrs, sizes = self._plan(spec)
             store = self._store()
@@ -194,14 +247,13 @@ class StoreWorker:
                 got = store.call("load", lambda client: client.batch_get_into(keys, addrs, sizes))
             if got is FAILED:
                 raise _Refused("the store call failed (logged above)")
-            per_block = len(self.layers)
             bad = next((i for i, n in enumerate(got) if n != sizes[i]), None)
             if bad is None:
                 failed = set()
                 nbytes = sum(sizes)
             else:
-                first = bad // per_block
-                failed = set(spec.block_ids[first:])
+                first = self._key_blocks(spec)[bad]
+                failed = self._blocks_from(spec, first)
                 raise _Refused(f"block {first} of {len(spec.block_ids)}: {got[bad]!r}")
         except MooncakeConnectorsError as exc:
             log.warning(
@@ -254,13 +306,14 @@ class StoreWorker:
                     len(todo),
                     errors[0],
                 )
-            per_block = len(self.layers)
-            self._record_held(spec, todo, results, per_block)
+            owner = self._key_blocks(spec)
+            self._record_held(spec, todo, results, owner)
+            written = len({owner[i] for i in todo})
             self.stats.record_save(
                 time.perf_counter() - t0,
                 sum(sizes[i] for i in todo),
-                -(-len(todo) // per_block),
-                (len(keys) - len(todo)) // per_block,
+                written,
+                len(set(owner)) - written,
             )
         except _Refused as exc:
             log.info("request %s: KV not saved: %s", spec.request_id, exc)
@@ -275,19 +328,16 @@ class StoreWorker:
                 self._saved.add(spec.request_id)
 
     def _record_held(
-        self, spec: BlockSpec, todo: list[int], results: list[Result], per_block: int
+        self, spec: BlockSpec, todo: list[int], results: list[Result], owner: list[int]
     ) -> None:
-        """Queue the KV event for the leading blocks now held for every layer of this rank."""
+        """Queue the KV event for the leading blocks now held for every layer of this rank
+        (``owner``: the block of each key)."""
         failed = {
-            i
+            owner[i]
             for i, e in zip(todo, results, strict=True)
             if e is not None and not isinstance(e, ObjectExists)
         }
-        held = 0
-        while held < len(spec.hashes) and not any(
-            held * per_block + j in failed for j in range(per_block)
-        ):
-            held += 1
+        held = min(failed, default=len(spec.hashes))
         event = stored_event(spec, held)
         if event is not None:
             with self._lock:
