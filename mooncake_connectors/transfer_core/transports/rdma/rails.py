@@ -28,7 +28,7 @@ from ....errors import (
 )
 from ....types import TransferOp
 from ...transport import Slice
-from .verbs import Completion, QpAddr
+from .verbs import INVALID_REQUEST_CAUSES, Completion, QpAddr
 
 if TYPE_CHECKING:
     from .mrs import LocalMr
@@ -285,7 +285,11 @@ class Rail:
             )
             self.broke(TransportBroken("QP left in ERR by an access error"), cool=False)
             return
-        err = TransportBroken(f"completion status {status}", peer=self.peer, path=self.path)
+        why = f"completion status {status}"
+        if status == self.nic.nic.verbs.INVALID_REQUEST:
+            why = f"{INVALID_REQUEST_CAUSES} (completion status {status})"
+            log.warning("rdma rail %s: %s", self.path, why)
+        err = TransportBroken(why, peer=self.peer, path=self.path)
         self.broke(err, cool=True, first=bad)
 
     def _kick_others(self) -> None:

@@ -75,6 +75,15 @@ def _gid_rank(gid: str, gid_type: int) -> int | None:
     return 0 if v4 else 2 if local else 1
 
 
+INVALID_REQUEST_CAUSES = (
+    "the peer's NIC refused a request as invalid (IBV_WC_REM_INV_REQ_ERR), which on first "
+    "contact means the two ends of this rail disagree: usually the path MTU (the netdevs' MTUs "
+    "differ, e.g. 9000 and 1500, and the peer does not negotiate it), else a RoCE/InfiniBand "
+    "setting (link layer, GID type, partition) or a firmware limit on this port pair; the rail "
+    "is left out for a while and other rails or transports carry the data"
+)
+
+
 @dataclass(frozen=True)
 class Completion:
     wr_id: int
@@ -93,9 +102,11 @@ class Verbs:
         # Completion statuses that are final for the request (access rights or bounds):
         # retrying the same address elsewhere cannot help.
         self.ACCESS_ERRORS = frozenset(
-            int(getattr(e, n))
-            for n in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_LOC_PROT_ERR", "IBV_WC_REM_INV_REQ_ERR")
+            int(getattr(e, n)) for n in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_LOC_PROT_ERR")
         )
+        # The peer's NIC NAKed a request as invalid: on first contact, the two ends of that rail
+        # disagree (path MTU above all), not the rkey; the rail fails, other rails take over.
+        self.INVALID_REQUEST = int(e.IBV_WC_REM_INV_REQ_ERR)
         self.REMOTE_ACCESS = int(
             e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         )
