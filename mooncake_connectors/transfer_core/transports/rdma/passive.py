@@ -13,7 +13,7 @@ from ...transport import TransportContext
 from . import control
 from .nicstate import NicState
 from .settings import RdmaSettings
-from .verbs import Nic, QpAddr
+from .verbs import GidChanged, Nic, QpAddr
 
 log = logging.getLogger(__name__)
 _REAP_EVERY = 5.0  # seconds between sweeps for passive QPs of initiators gone
@@ -37,13 +37,20 @@ class PassiveSide:
         if state is None or state.dead is not None:
             raise ProtocolError(f"no usable RDMA device {req.peer_nic!r} here")
         nic = state.nic
-        qp = nic.create_qp(self.max_wr)
         psn = int.from_bytes(os.urandom(3), "little")
-        try:
-            nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid, req.mtu), psn)
-        except MooncakeConnectorsError:
-            nic.destroy(qp)
-            raise
+        for again in (True, False):
+            qp = nic.create_qp(self.max_wr)
+            try:
+                nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid, req.mtu), psn)
+                break
+            except GidChanged as exc:
+                nic.destroy(qp)
+                if not again:
+                    raise
+                log.info("rdma: connecting %s's QP again: %s", req.segment, exc)
+            except MooncakeConnectorsError:
+                nic.destroy(qp)
+                raise
         key = (req.segment, req.nic, req.peer_nic)
         cap = self.settings.max_passive
         with self._lock:

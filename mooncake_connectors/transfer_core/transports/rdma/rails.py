@@ -28,7 +28,7 @@ from ....errors import (
 )
 from ....types import TransferOp
 from ...transport import Slice
-from .verbs import INVALID_REQUEST_CAUSES, Completion, QpAddr
+from .verbs import INVALID_REQUEST_CAUSES, Completion, GidChanged, QpAddr
 
 if TYPE_CHECKING:
     from .mrs import LocalMr
@@ -200,12 +200,22 @@ class Rail:
         gen = self.gen
         qp: Any = None
         try:
-            qp = nic.create_qp(self.owner.max_wr)
-            psn = int.from_bytes(os.urandom(3), "little")
-            theirs = self.owner.exchange(
-                self, QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu)
-            )
-            nic.connect(qp, theirs, psn)
+            for again in (True, False):
+                qp = nic.create_qp(self.owner.max_wr)
+                psn = int.from_bytes(os.urandom(3), "little")
+                gid = nic.gid
+                theirs = self.owner.exchange(
+                    self, QpAddr(int(qp.qp_num), psn, gid, nic.lid, nic.mtu)
+                )
+                try:
+                    nic.connect(qp, theirs, psn, sent_gid=gid)
+                    break
+                except GidChanged as exc:
+                    if not again:
+                        raise
+                    log.info("rdma rail %s connects again: %s", self.path, exc)
+                    nic.destroy(qp)
+                    qp = None  # the peer's QP for the old GID is replaced by the next exchange
         except Exception as exc:  # whatever it is, the rail must fail, never stay CONNECTING
             if isinstance(exc, MooncakeConnectorsError):
                 err: MooncakeConnectorsError = exc

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import resource
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from typing import Any
 
 from ....errors import ConfigError, TransportBroken
 from .pyverbs_load import load
+
+log = logging.getLogger(__name__)
 
 MEMLOCK_FIX = (
     "raise the locked-memory limit: `ulimit -l unlimited` in the shell, "
@@ -82,6 +85,10 @@ INVALID_REQUEST_CAUSES = (
     "setting (link layer, GID type, partition) or a firmware limit on this port pair; the rail "
     "is left out for a while and other rails or transports carry the data"
 )
+
+
+class GidChanged(TransportBroken):
+    """This NIC's source GID changed under a connect: connect again with the new one."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,9 @@ class Nic:
         self.name = name
         self.port = port
         self.gid_index = gid_index
+        self.auto_gid = gid_index < 0  # probed here: probed again when the table changes
         self.lock = threading.Lock()  # post_send and poll are not safe to call concurrently
+        self._gid_lock = threading.Lock()
         self.traffic_class = 0  # the GRH's, on RoCE: DSCP << 2 (the transport sets both)
         self.service_level = 0  # the LRH's, on InfiniBand
         try:
@@ -228,6 +237,17 @@ class Nic:
         """This NIC's best source GID index. InfiniBand routes by LID: index 0, the port GID.
         RoCE: the table's best entry by _gid_rank (index 0 on mlx5 is RoCE v1 link-local, which
         a routed fabric drops, so a fixed index would silently leave RDMA unused)."""
+        best = self._best_gid(table_len)
+        if best is None:
+            self.ctx.close()
+            raise ConfigError(
+                f"RDMA device {self.name} port {self.port} has no usable GID (is an IP address "
+                "configured on its netdev?); or set transport_settings['rdma']['gid_index']",
+                nic=self.name,
+            )
+        return best
+
+    def _best_gid(self, table_len: int) -> int | None:
         if self.link_layer == LINK_LAYER_INFINIBAND:
             return 0
         best: tuple[int, int] | None = None
@@ -240,14 +260,32 @@ class Nic:
             rank = _gid_rank(gid, gid_type)
             if rank is not None and (best is None or rank < best[0]):
                 best = (rank, i)
-        if best is None:
-            self.ctx.close()
-            raise ConfigError(
-                f"RDMA device {self.name} port {self.port} has no usable GID (is an IP address "
-                "configured on its netdev?); or set transport_settings['rdma']['gid_index']",
-                nic=self.name,
+        return None if best is None else best[1]
+
+    def reprobe_gid(self) -> bool:
+        """Probe the GID table again (once the kernel refused our source GID: its address left
+        the netdev, or changed); True when it gave another index or GID, now this NIC's."""
+        if not self.auto_gid:
+            return False
+        with self._gid_lock:
+            try:
+                table_len = int(getattr(self.ctx.query_port(self.port), "gid_tbl_len", 1))
+                best = self._best_gid(table_len)
+                gid = "" if best is None else str(self.ctx.query_gid(self.port, best))
+            except self.lib.PyverbsError:
+                return False
+            if best is None or (best, gid) == (self.gid_index, self.gid):
+                return False
+            log.warning(
+                "rdma NIC %s: GID index %d (%s) is gone or changed; using index %d (%s)",
+                self.name,
+                self.gid_index,
+                self.gid,
+                best,
+                gid,
             )
-        return best[1]
+            self.gid_index, self.gid = best, gid
+            return True
 
     # -- memory -----------------------------------------------------------------------------
     def reg_mr(self, addr: int, length: int, access: int) -> Any:
@@ -290,10 +328,15 @@ class Nic:
         except lib.PyverbsError as exc:
             raise TransportBroken(f"cannot create a QP on {self.name}: {exc}") from None
 
-    def connect(self, qp: Any, remote: QpAddr, psn: int) -> None:
+    def connect(self, qp: Any, remote: QpAddr, psn: int, sent_gid: str | None = None) -> None:
         """RESET -> INIT -> RTR -> RTS, aimed at ``remote``, at the smaller path MTU of the two
-        ends (a packet longer than the peer's MTU is dropped or NAKed as an invalid request)."""
+        ends (a packet longer than the peer's MTU is dropped or NAKed as an invalid request).
+        GidChanged when our GID is no longer ``sent_gid`` (what the peer was told), or the
+        kernel refused our GID index at RTR (EINVAL) and a new probe found another: the caller
+        connects once more, telling the peer the new one."""
         lib, e = self.lib, self.lib.e
+        if sent_gid is not None and sent_gid != self.gid:
+            raise GidChanged(f"the GID of {self.name} changed to {self.gid} since {sent_gid}")
         mtu = min(self.mtu, remote.mtu) if remote.mtu else self.mtu
         try:
             attr = lib.QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
@@ -315,7 +358,16 @@ class Nic:
             attr.ah_attr = lib.AHAttr(
                 dlid=remote.lid, sl=self.service_level, is_global=1, port_num=self.port, gr=gr
             )
-            qp.to_rtr(attr)
+            try:
+                qp.to_rtr(attr)
+            except lib.PyverbsRDMAError as exc:
+                old = self.gid_index
+                if getattr(exc, "error_code", 0) == errno.EINVAL and self.reprobe_gid():
+                    raise GidChanged(
+                        f"{self.name} refused its GID index {old} (EINVAL at RTR: the entry "
+                        f"is gone or changed); re-probed: index {self.gid_index}"
+                    ) from None
+                raise
             attr = lib.QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RTR)
             attr.sq_psn = psn
             attr.timeout = 14
