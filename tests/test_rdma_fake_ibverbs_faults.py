@@ -89,8 +89,8 @@ def test_an_invalid_request_fails_the_rail_and_others_carry_the_data(
     """The rails to the target's mlx5_0 run MTU 4096 on a's side and 1024 on the target's: the
     target NAKs a's WRITEs as invalid requests (IBV_WC_REM_INV_REQ_ERR). That fails those rails
     (which carry nothing: every WR is longer than 1024 bytes), and the WRs move to the rails to
-    its mlx5_1: the write completes, every byte over rdma. Before, the status was taken for a refused rkey: a final AccessViolation,
-    no other rail or transport tried."""
+    its mlx5_1: the write completes, every byte over rdma. Before, the status was taken for a
+    refused rkey: a final AccessViolation, no other rail or transport tried."""
     p, t = legacy
     t.publish(p.srv.url, "legacy", _rkeys(t, "mlx5_0", "mlx5_1"))
     p.a.call(
