@@ -95,14 +95,14 @@ def distance(a: Device, b: Device) -> int:
     return SYS
 
 
-def cuda_bus_id(ordinal: int) -> str:
+def cuda_bus_id(ordinal: int) -> str | None:
     """The PCI address of CUDA device ``ordinal`` of this process, from the driver (our CUDA
-    seam), "" when no driver is loaded here or it cannot say. Never loads one: a process with
-    GPU regions has loaded it to register them."""
+    seam); "" when the driver cannot say, None when no driver is loaded here. Never loads one:
+    a process with GPU regions has loaded it to register them."""
     from ... import cuda_driver
 
     if not cuda_driver.loaded():
-        return ""
+        return None
     try:
         return cuda_driver.driver().pci_bus_id(ordinal)
     except (GpuError, GpuUnavailable):
@@ -114,22 +114,24 @@ class Topology:
     nics: list[Device] = field(default_factory=list)
     gpus: list[Device] = field(default_factory=list)  # in PCI-bus order (the fallback guess)
     root: str = ""  # the sysfs root read, where a GPU's PCI address is looked up
-    _by_ordinal: dict[int, Device] = field(default_factory=dict, repr=False)
+    _by_ordinal: dict[int, Device | None] = field(default_factory=dict, repr=False)
 
     def gpu(self, ordinal: int) -> Device | None:
         """CUDA device ``ordinal``'s place in the tree: by the PCI address the driver gives
         (right whatever CUDA_VISIBLE_DEVICES, by number or UUID, and CUDA_DEVICE_ORDER say),
         else the ``ordinal``-th NVIDIA function in bus order (what CUDA numbers with
         CUDA_DEVICE_ORDER=PCI_BUS_ID and all GPUs visible)."""
-        known = self._by_ordinal.get(ordinal)
-        if known is not None:
-            return known
+        if ordinal in self._by_ordinal:
+            return self._by_ordinal[ordinal]
         bus = cuda_bus_id(ordinal)
-        path = os.path.join(self.root, "bus", "pci", "devices", bus)
+        path = os.path.join(self.root, "bus", "pci", "devices", bus or "")
         if bus and self.root and _PCI_ADDR.match(bus) and os.path.exists(path):
-            self._by_ordinal[ordinal] = dev = _device(bus, path)
-            return dev
-        return self.gpus[ordinal] if 0 <= ordinal < len(self.gpus) else None
+            dev: Device | None = _device(bus, path)
+        else:
+            dev = self.gpus[ordinal] if 0 <= ordinal < len(self.gpus) else None
+        if bus is not None:  # the driver answered (or cannot): that does not change
+            self._by_ordinal[ordinal] = dev
+        return dev
 
     @classmethod
     def read(cls, root: str = "/sys", visible: str | None = None) -> Topology:
