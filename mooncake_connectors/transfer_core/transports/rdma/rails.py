@@ -28,7 +28,7 @@ from ....errors import (
 )
 from ....types import TransferOp
 from ...transport import Slice
-from .verbs import INVALID_REQUEST_CAUSES, Completion, GidChanged, QpAddr
+from .verbs import Completion, GidChanged, QpAddr
 
 if TYPE_CHECKING:
     from .mrs import LocalMr
@@ -37,6 +37,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 IDLE, CONNECTING, READY = 0, 1, 2
+INVALID_REQUEST_CAUSES = (
+    "the peer's NIC refused a request as invalid (IBV_WC_REM_INV_REQ_ERR), which on first "
+    "contact means the two ends of this rail disagree: usually the path MTU (the netdevs' MTUs "
+    "differ, e.g. 9000 and 1500, and the peer does not negotiate it), else a RoCE/InfiniBand "
+    "setting (link layer, GID type, partition) or a firmware limit on this port pair; the rail "
+    "is left out for a while and other rails or transports carry the data"
+)
 
 
 class Work:

@@ -32,6 +32,7 @@ from ...memory import Region
 from ...transport import Slice, Transport, TransportContext, load_settings
 from ..tcp_server import TcpServer
 from . import control
+from .memlock import check_memlock
 from .mrs import Registry
 from .nicstate import NicState
 from .passive import _REAP_EVERY, PassiveSide
@@ -90,7 +91,7 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             if unknown:
                 raise ConfigError(f"rdma nics {unknown} not found; this host has {names}")
             names = list(st.nics)
-        verbs.check_memlock(st.min_memlock)
+        check_memlock(st.min_memlock)
         env = ib_qos_from_env()
         tc = st.traffic_class if st.traffic_class >= 0 else env.get("traffic_class", 0)
         sl = st.service_level if st.service_level >= 0 else env.get("service_level", 0)

@@ -16,20 +16,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import resource
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from ....errors import ConfigError, TransportBroken
+from .memlock import MEMLOCK_FIX, check_memlock
+from .memlock import has_ipc_lock as has_ipc_lock  # where it was
 from .pyverbs_load import load
 
 log = logging.getLogger(__name__)
 
-MEMLOCK_FIX = (
-    "raise the locked-memory limit: `ulimit -l unlimited` in the shell, "
-    "LimitMEMLOCK=infinity for a systemd unit, `--ulimit memlock=-1` for docker"
-)
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
 LINK_LAYER_INFINIBAND = 1  # IBV_LINK_LAYER_INFINIBAND (a #define in verbs.h, not in every pyverbs)
 LINK_LAYER_ETHERNET = 2  # IBV_LINK_LAYER_ETHERNET: RoCE
@@ -37,19 +34,6 @@ CQ_ENTRIES = 4096  # the CQ of one NIC, or the device's max_cqe when smaller
 RD_ATOMIC = 16  # READs in flight per QP (ConnectX's max_qp_rd_atom), or the device's cap
 TRANSPORT_IB = 0  # IBV_TRANSPORT_IB: InfiniBand and RoCE; iWARP is 1, usNIC 2-3, EFA 4
 GID_TYPE_ROCE_V2 = 1  # IBV_GID_TYPE_SYSFS_ROCE_V2, what Context.query_gid_type answers
-_CAP_IPC_LOCK = 14
-
-
-def has_ipc_lock() -> bool:
-    """Does this process hold CAP_IPC_LOCK (which lifts RLIMIT_MEMLOCK for pinned memory)?"""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
-    except (OSError, ValueError):
-        pass
-    return False
 
 
 @dataclass(frozen=True)
@@ -76,15 +60,6 @@ def _gid_rank(gid: str, gid_type: int) -> int | None:
     if gid_type != GID_TYPE_ROCE_V2:
         return 3
     return 0 if v4 else 2 if local else 1
-
-
-INVALID_REQUEST_CAUSES = (
-    "the peer's NIC refused a request as invalid (IBV_WC_REM_INV_REQ_ERR), which on first "
-    "contact means the two ends of this rail disagree: usually the path MTU (the netdevs' MTUs "
-    "differ, e.g. 9000 and 1500, and the peer does not negotiate it), else a RoCE/InfiniBand "
-    "setting (link layer, GID type, partition) or a firmware limit on this port pair; the rail "
-    "is left out for a while and other rails or transports carry the data"
-)
 
 
 class GidChanged(TransportBroken):
@@ -145,16 +120,8 @@ class Verbs:
         return Nic(self, name, port, gid_index)
 
     def check_memlock(self, minimum: int) -> None:
-        """ConfigError when the locked-memory limit is below ``minimum`` bytes: every MR pins
-        its pages, and a low limit makes registration fail later, region by region."""
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if has_ipc_lock():
-            return  # the kernel does not count pinned pages against the limit then
-        if soft != resource.RLIM_INFINITY and soft < minimum:
-            raise ConfigError(
-                f"locked-memory limit (ulimit -l) is {soft // 1024} KiB, below the "
-                f"{minimum // 1024} KiB the rdma transport needs: {MEMLOCK_FIX}"
-            )
+        """memlock.check_memlock: ConfigError when ``ulimit -l`` is below ``minimum`` bytes."""
+        check_memlock(minimum)
 
 
 class Nic:
