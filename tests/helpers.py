@@ -119,11 +119,17 @@ class Peer:
             text=True,
             env=env,
         )
-        self.info = self.call("start", **start)
+        # ``start`` may hold the engine's own ``timeout``: it goes to the engine, not to this
+        # wait (a process that imports the transports can take seconds to answer under load)
+        self.info = self._request("start", 60.0, start)
         self.segment: str = self.info["segment"]
         self.pid: int = self.proc.pid
 
     def call(self, cmd: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
+        """Send ``cmd`` with ``args``; wait up to ``timeout`` seconds for the answer."""
+        return self._request(cmd, timeout, args)
+
+    def _request(self, cmd: str, timeout: float, args: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
         self.proc.stdin.flush()

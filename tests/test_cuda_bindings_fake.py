@@ -84,6 +84,22 @@ def test_init_failure_is_one_typed_error(fake_lib: Path, tmp_path: Path) -> None
     assert "found no usable GPU" in out and "CUDA_ERROR_NO_DEVICE" in out
 
 
+def test_doctor_says_how_rdma_would_register_gpu_memory(fake_lib: Path, tmp_path: Path) -> None:
+    """mrs.py's order through the real bindings: dma-buf where the driver exports it (device
+    attribute 124) and pyverbs has DmaBufMR, else a plain MR, which needs nvidia_peermem."""
+    code = (
+        "import json\n"
+        "from mooncake_connectors.transfer_core.transports.rdma.preflight import gpu_paths\n"
+        "cases = [('auto', True, False), ('auto', False, True), ('peermem', True, False),\n"
+        "         ('dmabuf', False, True)]\n"
+        "print(json.dumps([[g.path for g in gpu_paths(*c)[0]] for c in cases]))\n"
+    )
+    exports = json.loads(run_code(code, tmp_path, FAKE_CUDA_ATTRS="124=1"))
+    assert exports == [["dma-buf"] * 2, ["peermem"] * 2, ["none"] * 2, ["none"] * 2]
+    none = json.loads(run_code(code, tmp_path, FAKE_CUDA_ATTRS="124=0"))
+    assert none == [["none"] * 2, ["peermem"] * 2, ["none"] * 2, ["none"] * 2]
+
+
 def test_doctor_describes_the_devices_through_the_real_bindings(
     fake_lib: Path, tmp_path: Path
 ) -> None:
@@ -150,3 +166,18 @@ def test_exported_descriptors_are_closed_when_their_region_goes(
 ) -> None:
     out = run_scenario("fd_exports", tmp_path)
     assert (out["registered"], out["after_unregister"], out["after_close"]) == (2, 1, 0)
+
+
+def test_copies_of_a_kernels_bytes_wait_for_its_stream_through_a_fence_not_the_host(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("ordering", tmp_path)
+    for name in ("cuda_ipc", "tcp"):
+        case = out[name]
+        # the control: a copy that does not wait reads the bytes before the kernel wrote them
+        assert case["unfenced_stale"][0] and case["unfenced_stale"][1] > 0, (name, case)
+        # with the fence: the kernel's bytes, no stale copy, one stream wait on the GPU
+        assert case["fenced_ok"] == [True, 0, 1], (name, case)
+        assert case["own_stream_ok"] == [True, 0], (name, case)  # a non-default stream's handle
+        assert case["current_after"] == 1, name  # the application's current device stays
+    assert out["counters"]["ctx_mismatch"] == 0 and out["counters"]["no_ctx"] == 0

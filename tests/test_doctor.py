@@ -12,7 +12,7 @@ from fake_cuda import FakeCuda, installed
 from typer.testing import CliRunner
 
 from mooncake_connectors.cli import app
-from mooncake_connectors.transfer_core import cuda_driver, doctor
+from mooncake_connectors.transfer_core import cuda_driver, doctor, doctor_rdma
 
 
 @pytest.fixture
@@ -82,6 +82,14 @@ def test_cli_text_and_json(fake: FakeCuda) -> None:
     assert out.exit_code == 0, out.output
     areas = {f["area"] for f in json.loads(out.output)}
     assert {"gpu", "rdma", "shm", "numa", "transports"} <= areas
+
+
+def test_bad_rdma_settings_and_peer_addresses_are_refused_clearly() -> None:
+    runner = CliRunner()
+    bad = runner.invoke(app, ["doctor", "--rdma-settings", '{"nics": "mlx5_0", "bogus": 1}'])
+    assert bad.exit_code == 2 and "--rdma-settings" in bad.output
+    (f,) = doctor_rdma.check_peer("no-port", None, 4096, 1.0)
+    assert f.verdict == "fail" and "is not HOST:PORT" in f.message
 
 
 def test_doctor_prints_the_rdma_topology_matrix(tmp_path: Path) -> None:

@@ -78,13 +78,30 @@ def test_the_check_runs_from_a_bare_copy_and_checks_every_case(
     assert (rc, result["failures"]) == (0, []), result.get("tracebacks", result)
     assert result["package"].startswith(str(bare[0]))  # the copy's code, not an install
     assert any("FAKE CUDA device 0" in line for line in result["doctor"])
-    cases = {**result["cuda_ipc"], **result["tcp"]}
-    assert set(cases) == {
-        "gpu_gpu", "gpu_vmm", "vmm_gpu", "host_gpu", "gpu_memfd_host", "gpu_gpu_staged",
-        "host_host",
-    }  # fmt: skip
-    for name, sizes in cases.items():
-        assert sizes and all(v["bytes_and_guards_ok"] for v in sizes.values()), name
+    sweeps = {
+        "cuda_ipc": {"gpu_gpu", "gpu_vmm", "vmm_gpu", "host_gpu", "gpu_memfd_host"},
+        "tcp": {"gpu_gpu_staged", "host_host"},
+    }
+    for transport, names in sweeps.items():
+        part = result[transport]
+        assert set(part) == names | {"ordering", "pd_session", "store"}, transport
+        for name in names:
+            sizes = part[name]
+            assert sizes and all(v["bytes_and_guards_ok"] for v in sizes.values()), name
+        # C4: the queued bytes reached the peer through the fence; without it they did not
+        # (the fake lands the application's work only when something orders after it)
+        assert part["ordering"] == {
+            "control_without_fence_saw_the_bytes": False,
+            "driver_stream": {"bytes_and_guards_ok": True},
+        }, transport
+        # C5: the PD session's layer-wise push (each layer's kernel, then save_kv_layer at
+        # once) and pull, and the store worker's puts and gets, on KV in vLLM's GPU layout
+        pd = part["pd_session"]
+        for case in ("push", "pull"):
+            assert pd[case]["bytes_and_guards_ok"] and pd[case]["layers_ok"] == 2, (transport, pd)
+        assert pd["prefill_guards_ok"]
+        assert part["store"]["bytes_and_guards_ok"] and part["store"]["layers_ok"] == 2
+    assert result["torch"] is None  # CPU torch: its kernels as producers run on a GPU only
     assert result["tcp_loops"] == "pure Python"  # nothing compiled in a copy of the files
 
 
@@ -94,5 +111,10 @@ def test_wrong_bytes_fail_the_run_and_the_json_is_still_written(
     rc, result = run_check(bare, tmp_path / "corrupt", FAKE_CUDA_CORRUPT_COPIES="1")
     assert rc == 1
     assert any(f.startswith("gpu->gpu") for f in result["failures"])
+    rc, result = run_check(bare, tmp_path / "nowait", FAKE_CUDA_IGNORE_WAITS="1")
+    assert rc == 1  # copies that do not wait for the producer are caught, per transport
+    for transport in ("cuda_ipc", "tcp"):
+        assert f"pd session push over {transport}" in " ".join(result["failures"])
+    assert sum(f.startswith("ordering: a fenced copy") for f in result["failures"]) == 2
     rc, result = run_check(bare, tmp_path / "noinit", FAKE_CUDA_FAIL_INIT="1")
     assert rc == 1 and any("CUDA_ERROR_NO_DEVICE" in f for f in result["failures"])

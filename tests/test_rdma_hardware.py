@@ -1,11 +1,18 @@
 """The rdma transport on real NICs through pyverbs: runs wherever /sys/class/infiniband lists a
-device (and pyverbs imports), skipped with that reason elsewhere. Not yet run on hardware."""
+device (and pyverbs imports), skipped with that reason elsewhere; ``doctor`` and a ``doctor
+--peer`` loop to a ``doctor --serve-rdma`` on this host too. Not yet run on hardware."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import queue
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,3 +65,46 @@ def test_write_read_back_over_real_nics(link: Any, size: int) -> None:
     t = e.transports[0]
     assert isinstance(t, RdmaTransport)
     assert sum(v["carried"] for v in t.rail_stats(peer.segment).values()) > 0
+
+
+def _doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "mooncake_connectors", "doctor", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_ENV)
+
+
+_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def test_doctor_lists_the_nics_the_transport_opens() -> None:
+    pytest.importorskip("pyverbs", reason="pyverbs (python3-pyverbs) does not import here")
+    out = _doctor("--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rdma = [f for f in json.loads(out.stdout) if f["area"] == "rdma"]
+    nics = [f["data"] for f in rdma if "gid_index" in f["data"]]
+    assert nics, rdma  # this host has an ACTIVE port, or the transport tests above failed too
+    for n in nics:
+        assert n["state"] == "ACTIVE" and n["mtu"] in (256, 512, 1024, 2048, 4096), n
+        assert n["gid_type"] in ("IB", "RoCE v1", "RoCE v2") and n["gid"].strip("0:"), n
+
+
+def test_doctor_peer_loop_to_itself_over_the_first_active_port() -> None:
+    pytest.importorskip("pyverbs", reason="pyverbs (python3-pyverbs) does not import here")
+    cmd = [sys.executable, "-m", "mooncake_connectors", "doctor", "--serve-rdma", "--json"]
+    srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_ENV)
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        stdout = srv.stdout
+        assert stdout is not None
+        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+        first = lines.get(timeout=60)
+        assert first, srv.communicate(timeout=10)[1][-3000:]
+        where = json.loads(first)["serving"]
+        out = _doctor("--json", "--peer", where)
+        assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+        (peer,) = [f for f in json.loads(out.stdout) if f["area"] == "rdma-peer"]
+        d = peer["data"]
+        assert peer["verdict"] == "ok" and d["bytes_verified"] == 3 << 20, peer
+        assert d["mtu"] == min(d["local_mtu"], d["peer_mtu"])
+    finally:
+        srv.terminate()
+        srv.wait(10)

@@ -1,4 +1,4 @@
-"""Small commands: version, plugins, doctor, the demo, the simulator, the fuzzer, the soak."""
+"""Small commands: version, plugins, the demo, the simulator, the fuzzer, the soak."""
 
 from __future__ import annotations
 
@@ -36,26 +36,6 @@ def plugins() -> None:
     typer.echo(
         json.dumps({"transports": TRANSPORTS.names(), "metadata": METADATA_BACKENDS.names()})
     )
-
-
-@app.command()
-def doctor(
-    as_json: Annotated[bool, typer.Option("--json", help="Findings as a JSON list.")] = False,
-    metadata: Annotated[
-        str | None, typer.Option(help="Also probe this metadata URL (etcd://… or http://…).")
-    ] = None,
-    master: Annotated[str | None, typer.Option(help="Also probe this store master.")] = None,
-) -> None:
-    """What this host can use for transfers (GPUs, RDMA, /dev/shm, NUMA), and the fix for
-    what it cannot: one line per finding."""
-    from ..transfer_core import doctor as checks
-
-    findings = checks.run(metadata=metadata, master=master)
-    if as_json:
-        typer.echo(json.dumps(checks.as_json(findings), indent=2))
-        return
-    for f in findings:
-        typer.echo(f.line())
 
 
 @app.command()

@@ -18,9 +18,11 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ..errors import ConfigError, MooncakeConnectorsError
 from ..transfer_core import Batch, TransferEngine
+from ..transfer_core.cuda_driver import Fence
 from ..types import TransferOp, TransferStatus
 from .layout import check_compatible, plan_reads
 from .messages import PushDone, PushTarget, WorkerLayout
@@ -54,6 +56,7 @@ class _Push:
     finishing: bool = False
     final_at: float = 0.0
     overlapped: int = 0  # bytes whose write started inside a forward (save_kv_layer)
+    after: Fence | None = None  # GPU KV: the end of the forward that made ``ready`` blocks
 
 
 class LayerPush:
@@ -81,6 +84,9 @@ class LayerPush:
         # decode side: push id -> (spec, when to give up (monotonic))
         self._push_wait: dict[str, tuple[PushRecvSpec, float]] = {}
         self.dropped_targets = 0  # push targets refused: no room for another early one
+        # GPU KV caches: a Fence at where the engine's stream is now (the engine adapter sets
+        # it), which push writes follow on the GPU; no host sync per layer.
+        self.producer: Callable[[], Fence] | None = None
 
     def _client(self) -> SideChannelClient:
         raise NotImplementedError  # the session's, one per pool thread
@@ -164,9 +170,12 @@ class LayerPush:
         if finish:
             self._pool.submit(self._finish_push, p)
 
-    def _write(self, p: _Push, names: list[str] | None, upto: int) -> int:
-        """Start writing blocks ``[sent, upto)`` of the named layers (all: None) to the target;
-        returns the bytes. Caller holds the lock; the writes run on the transfer engine's lanes."""
+    def _write(
+        self, p: _Push, names: list[str] | None, upto: int, after: Fence | None = None
+    ) -> int:
+        """Start writing blocks ``[sent, upto)`` of the named layers (all: None) to the target,
+        after ``after`` (else ``p.after``) on GPU KV caches; returns the bytes. Caller holds the
+        lock; the writes run on the transfer engine's lanes."""
         t = p.target
         if t is None or p.error is not None or not t.block_ids or self.engine is None:
             return 0
@@ -196,7 +205,8 @@ class LayerPush:
                     layers=layers,
                 )
                 reqs.extend(part)
-            p.batches.append(self.engine.submit(reqs, timeout=left))
+            fence = after if after is not None else p.after
+            p.batches.append(self.engine.submit(reqs, timeout=left, after=fence))
         except MooncakeConnectorsError as exc:
             p.error = f"push write failed: {exc}"
             return 0
@@ -212,9 +222,12 @@ class LayerPush:
         if not names:
             return
         with self._lock:
+            fence = None
             for p, step in self._step:
                 if p.target is not None and p.error is None:
-                    p.overlapped += self._write(p, names, step.ready)
+                    if fence is None and self.producer is not None:
+                        fence = self.producer()  # this layer's KV is queued before here
+                    p.overlapped += self._write(p, names, step.ready, fence)
 
     def wait_for_save(self) -> None:
         """End of a forward: its blocks are complete in every layer; end finished pushes."""
@@ -222,10 +235,12 @@ class LayerPush:
             return
         done = []
         now = time.perf_counter()
+        fence = None if self.producer is None else self.producer()  # the forward's end
         with self._lock:
             step, self._step = self._step, []
             for p, s in step:
                 p.ready = max(p.ready, s.ready)
+                p.after = fence if fence is not None else p.after
                 if s.final:
                     p.final, p.final_at = True, now
                 if p.final and not p.finishing and (p.target is not None or p.error):

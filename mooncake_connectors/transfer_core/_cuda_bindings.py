@@ -347,3 +347,15 @@ class BindingsDriver(CudaDriver):
         ev, device = self._events.pop(event)
         with self._on(device):
             check("cuEventDestroy", self.cu.cuEventDestroy(ev))
+
+    # -- ordering after the application's stream ---------------------------------------------
+    def event_record_on(self, event: int, handle: int) -> None:
+        ev, device = self._events[event]
+        with self._on(device):  # handle 0, the legacy stream, is the current context's
+            check("cuEventRecord", self.cu.cuEventRecord(ev, self.cu.CUstream(handle)))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        s, device = self._streams[stream]
+        ev, _ = self._events[event]  # an event of another device is allowed
+        with self._on(device):
+            check("cuStreamWaitEvent", self.cu.cuStreamWaitEvent(s, ev, 0))

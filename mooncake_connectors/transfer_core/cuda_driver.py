@@ -18,6 +18,7 @@ import abc
 import enum
 import threading
 import time
+import weakref
 from typing import Any, NamedTuple
 
 from ..errors import GpuError, GpuUnavailable
@@ -151,6 +152,17 @@ class CudaDriver(abc.ABC):
     @abc.abstractmethod
     def event_destroy(self, event: int) -> None: ...
 
+    def event_record_on(self, event: int, handle: int) -> None:
+        """Record ``event`` on a stream this driver did not make: the application's, by its raw
+        handle (``torch.cuda.current_stream(device).cuda_stream``; 0 is the legacy default
+        stream of the event's device)."""
+        raise GpuError("this CUDA driver records on its own streams only", call="cuEventRecord")
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` after this call waits on the GPU until ``event``'s last
+        record is reached; the host does not wait."""
+        raise GpuError("this CUDA driver cannot order streams", call="cuStreamWaitEvent")
+
 
 def wait_event(drv: CudaDriver, event: int, deadline: float) -> bool:
     """Wait for ``event`` until ``deadline`` (monotonic); False when it passed first.
@@ -165,6 +177,41 @@ def wait_event(drv: CudaDriver, event: int, deadline: float) -> bool:
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 2e-3)
     return True
+
+
+class Fence:
+    """A point in an application's stream (where its kernels write the bytes a transfer then
+    moves) that copies must follow: an event recorded there now. :meth:`order` makes one of our
+    copy streams wait for it on the GPU, so neither the host nor the application's stream waits;
+    :meth:`wait` waits for it on the host, for a path that copies without a stream of ours.
+    The event goes when the fence is garbage (a stream waiting on it still waits)."""
+
+    def __init__(self, device: int, handle: int, drv: CudaDriver | None = None) -> None:
+        self.drv = drv or driver()
+        self.device = device
+        self.event = self.drv.event_create(device)
+        try:
+            self.drv.event_record_on(self.event, handle)
+        except BaseException:
+            self.drv.event_destroy(self.event)
+            raise
+        self._ordered: set[int] = set()  # our streams that wait for it already
+        self._lock = threading.Lock()
+        self._gone = weakref.finalize(self, self.drv.event_destroy, self.event)
+        self._gone.atexit = False  # at exit the driver may be gone first
+
+    def order(self, stream: int) -> None:
+        """Copies queued on ``stream`` from now on run after the fence's point."""
+        with self._lock:
+            if stream in self._ordered:
+                return
+            self._ordered.add(stream)
+        self.drv.stream_wait_event(stream, self.event)
+
+    def wait(self, deadline: float) -> bool:
+        """Wait on the host until the fence's point is reached; False when ``deadline`` came
+        first."""
+        return wait_event(self.drv, self.event, deadline)
 
 
 _lock = threading.Lock()

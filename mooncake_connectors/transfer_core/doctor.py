@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
-import resource
 import socket
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, GpuError
+from ..errors import GpuError
 from . import cuda_driver
 from .transport import TRANSPORTS
+
+if TYPE_CHECKING:
+    from .transports.rdma.transport import RdmaSettings
 
 GIB = 1 << 30
 _PROBE_TIMEOUT = 2.0
@@ -31,6 +34,7 @@ class Finding:
     verdict: str  # ok | warn | fail | info
     message: str
     fix: str = ""
+    data: dict[str, object] = dataclasses.field(default_factory=dict)  # for --json
 
     def line(self) -> str:
         fix = f"  -> {self.fix}" if self.fix else ""
@@ -107,67 +111,21 @@ def _describe_gpus(drv: cuda_driver.CudaDriver) -> list[Finding]:
     return out
 
 
-def check_rdma(root: str = "/") -> list[Finding]:
-    r = Path(root)
-    out: list[Finding] = []
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY and soft < 64 << 20:
-        out.append(
-            Finding(
-                "rdma",
-                "warn",
-                f"ulimit -l is {soft // 1024} KiB: RDMA cannot pin large buffers",
-                "raise the memlock limit (ulimit -l unlimited; docker --ulimit memlock=-1)",
-            )
-        )
-    if not (r / "sys/module/ib_core").exists():
-        out.append(
-            Finding(
-                "rdma",
-                "fail",
-                "no kernel RDMA (ib_core is not loaded)",
-                "load the RDMA stack (modprobe ib_core and your NIC's driver) or use tcp",
-            )
-        )
-        return out
-    ib = r / "sys/class/infiniband"
-    names = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
-    if not names:
-        out.append(Finding("rdma", "fail", "no RDMA device", "attach an RDMA NIC or use tcp"))
-        return out
-    from .transports.rdma.verbs import Verbs  # the one module that calls pyverbs
+def check_rdma(root: str = "/", settings: RdmaSettings | None = None) -> list[Finding]:
+    """Per RDMA NIC what the rdma transport would use, and why not (doctor_rdma.py)."""
+    from . import doctor_rdma
 
-    try:
-        seen = Verbs().devices()
-        out.append(Finding("rdma", "ok", f"pyverbs sees {', '.join(seen)}"))
-    except ConfigError as exc:
-        out.append(
-            Finding(
-                "rdma",
-                "warn",
-                f"devices {', '.join(names)} present, but the rdma transport cannot open them",
-                str(exc),
-            )
-        )
-    peermem = (r / "sys/module/nvidia_peermem").exists()
-    out.append(
-        Finding(
-            "rdma",
-            "ok" if peermem else "info",
-            "GPUDirect RDMA: "
-            + ("nvidia_peermem loaded" if peermem else "nvidia_peermem not loaded"),
-            "" if peermem else "modprobe nvidia_peermem, or use dma-buf (kernel 5.12+)",
-        )
-    )
-    return out
+    return doctor_rdma.check_rdma(root, settings)
 
 
-def rdma_topology(root: str = "/") -> list[Finding]:
+def rdma_topology(root: str = "/", settings: RdmaSettings | None = None) -> list[Finding]:
     """The RDMA NICs' ports and the NIC/GPU/NUMA distance matrix the rdma transport uses to
     pick a region's nearest NICs, one finding per line."""
+    from .doctor_rdma import settings_for
     from .transports.rdma.topology import doctor_report
 
-    return [Finding("topology", "info", line) for line in doctor_report(str(Path(root) / "sys"))]
+    _, sysfs = settings_for(root, settings)
+    return [Finding("topology", "info", line) for line in doctor_report(sysfs)]
 
 
 def check_shm(path: str = "/dev/shm") -> list[Finding]:
@@ -225,15 +183,19 @@ def check_transports() -> list[Finding]:
 
 
 def run(
-    *, metadata: str | None = None, master: str | None = None, root: str = "/"
+    *,
+    metadata: str | None = None,
+    master: str | None = None,
+    root: str = "/",
+    rdma: RdmaSettings | None = None,
 ) -> list[Finding]:
     """Every check; ``metadata`` (an etcd:// or http:// URL) and ``master`` (HOST:PORT) are
-    probed only when given."""
+    probed only when given; ``rdma``: the rdma transport's settings (its defaults if None)."""
     findings: list[Finding] = []
     findings += check_transports()
     findings += check_gpus()
-    findings += check_rdma(root)
-    findings += rdma_topology(root)
+    findings += check_rdma(root, rdma)
+    findings += rdma_topology(root, rdma)
     findings += check_shm()
     findings += check_numa(root)
     if metadata and "://" in metadata:

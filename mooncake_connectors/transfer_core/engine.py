@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig, is_loopback
 from ..errors import (
@@ -56,6 +56,9 @@ from .memory import LocalSegment, Region, SharedBuffer, buffer_region, check_map
 from .metadata import MetadataBackend, open_metadata, scheme_of
 from .metadata.lease import Publication
 from .transport import TRANSPORTS, Slice, Transport, TransportContext
+
+if TYPE_CHECKING:
+    from .cuda_driver import Fence
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)  # unique default names for engines without a tcp port
@@ -434,9 +437,14 @@ class TransferEngine:
         requests: Sequence[TransferRequest],
         timeout: float | None = None,
         *,
+        after: Fence | None = None,
         _inline: bool = False,
     ) -> Batch:
-        """Start every request; returns at once. Check per-request status on the Batch."""
+        """Start every request; returns at once. Check per-request status on the Batch.
+
+        ``after``: a point in the application's GPU stream (``cuda_driver.Fence``, e.g. after
+        the kernel that wrote the KV cache) that copies of local GPU memory must follow; GPU
+        copy streams wait for it on the GPU, other paths on the host."""
         if not self._started or self._closed:
             raise TransportClosed("engine is not running")
         deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
@@ -470,6 +478,8 @@ class TransferEngine:
                 if local.device < 0:  # GPU memory is never viewed as host memory
                     s.local_mv = local.slice(s.local_addr, s.length)
                 s.local_device = local.device
+                if local.device >= 0:
+                    s.after = after
                 s.lane = lanes[(lane0 + k) % len(lanes)]
                 s.tried = None
                 group = groups.get((id(transport), peer.name))
@@ -482,6 +492,8 @@ class TransferEngine:
             # slices may: transports hand them to staging or copy streams).
             if not _inline or slices[0].local_device >= 0 or slices[-1].local_device >= 0:
                 self._watch_slices(slices)
+            if after is not None and not transport.orders_after:
+                _host_wait(after, deadline, slices)
             transport.submit(peer, slices, inline_ok=_inline)
         return batch
 
@@ -653,6 +665,8 @@ class TransferEngine:
         s.tried.add((t.name, lane))
         s.attempts += 1
         self._watch_slices([s])  # a retried slice may wait on a lane: watch its deadline
+        if s.after is not None and not t.orders_after:
+            _host_wait(s.after, s.deadline, [s])
         t.submit(s.peer, [s])
 
     # -- deadlines --------------------------------------------------------------------------
@@ -698,20 +712,32 @@ class TransferEngine:
                 )
 
     # -- sync helpers -----------------------------------------------------------------------
-    def transfer(self, requests: Sequence[TransferRequest], timeout: float | None = None) -> None:
-        """Submit, wait, and raise the first error."""
-        if len(requests) == 1 and self._transfer_one(requests[0], timeout):
+    def transfer(
+        self,
+        requests: Sequence[TransferRequest],
+        timeout: float | None = None,
+        *,
+        after: Fence | None = None,
+    ) -> None:
+        """Submit, wait, and raise the first error (``after``: as for :meth:`submit`)."""
+        if after is None and len(requests) == 1 and self._transfer_one(requests[0], timeout):
             return
-        self.run(requests, timeout).raise_for_status()
+        self.run(requests, timeout, after=after).raise_for_status()
 
-    def run(self, requests: Sequence[TransferRequest], timeout: float | None = None) -> Batch:
+    def run(
+        self,
+        requests: Sequence[TransferRequest],
+        timeout: float | None = None,
+        *,
+        after: Fence | None = None,
+    ) -> Batch:
         """Submit and wait, moving in this thread what its transports can move here (a shared-
         memory copy, a direct tcp exchange) instead of handing it to their threads; returns the
         finished Batch, each request's status and error on it, and raises for none of them.
         For a caller that waits anyway and wants per-request outcomes: a hand-off to another
         thread costs a wake-up, and where the cores are busy (an inference engine's worker
         spinning on the same core) a time slice."""
-        batch = self.submit(requests, timeout, _inline=True)
+        batch = self.submit(requests, timeout, after=after, _inline=True)
         if batch._pending:
             batch.wait()
         return batch
@@ -782,10 +808,11 @@ class TransferEngine:
         remote_addr: int,
         length: int,
         timeout: float | None = None,
+        *,
+        after: Fence | None = None,
     ) -> None:
-        self.transfer(
-            [TransferRequest(TransferOp.READ, target, local_addr, remote_addr, length)], timeout
-        )
+        req = TransferRequest(TransferOp.READ, target, local_addr, remote_addr, length)
+        self.transfer([req], timeout, after=after)
 
     def write(
         self,
@@ -794,10 +821,19 @@ class TransferEngine:
         remote_addr: int,
         length: int,
         timeout: float | None = None,
+        *,
+        after: Fence | None = None,
     ) -> None:
-        self.transfer(
-            [TransferRequest(TransferOp.WRITE, target, local_addr, remote_addr, length)], timeout
-        )
+        req = TransferRequest(TransferOp.WRITE, target, local_addr, remote_addr, length)
+        self.transfer([req], timeout, after=after)
+
+
+def _host_wait(fence: Fence, deadline: float, slices: Sequence[Slice]) -> None:
+    """A path without a copy stream of ours (RDMA from GPU memory) follows the fence of its
+    slices of local GPU memory from the host; a fence not reached by the deadline leaves the
+    slices to time out."""
+    if any(s.after is not None for s in slices) and not fence.wait(deadline):
+        log.warning("the application's GPU stream did not reach the transfer's fence in time")
 
 
 __all__ = ["Batch", "TransferEngine", "TransferError", "TransferRequest"]

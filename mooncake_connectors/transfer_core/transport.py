@@ -27,6 +27,7 @@ from ..types import LocationKind, TransferOp
 from .descriptor import RegionDesc, SegmentDesc
 
 if TYPE_CHECKING:
+    from .cuda_driver import Fence
     from .memory import LocalSegment, Region
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -52,6 +53,7 @@ class Slice:
     __slots__ = (
         "_done",
         "_on_done",
+        "after",
         "attempts",
         "deadline",
         "lane",
@@ -85,6 +87,9 @@ class Slice:
         self.lane = 0
         self.path = ""
         self.attempts = 0
+        # A cuda_driver.Fence the copies of this slice's local GPU memory must follow (the
+        # application's kernel writing those bytes), or None.
+        self.after: Fence | None = None
         self._on_done = on_done
         self._done = False
 
@@ -175,6 +180,11 @@ class Transport(abc.ABC):
         Without ``inline_ok`` this must not block on bulk I/O. With it the caller is about to
         wait for these slices anyway, so the transport may do the work in the calling thread.
         """
+
+    # True when the transport makes its copies of a slice's local GPU memory wait for
+    # ``Slice.after`` on the GPU (``Fence.order`` on its copy stream); for the others the engine
+    # waits for the fence on the host before handing them the slice.
+    orders_after: ClassVar[bool] = False
 
     # True when ``run_inline`` is implemented
     runs_inline: ClassVar[bool] = False

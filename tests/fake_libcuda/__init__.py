@@ -26,6 +26,8 @@ COUNTERS = (
     "ipc_close",
     "copies",
     "no_ctx",
+    "stale",
+    "waits",
 )
 
 

@@ -19,10 +19,18 @@
  *     MAPPING_BASE_ADDR/MAPPING_SIZE the mapping, cuMemRetainAllocationHandle the mapping
  *     holding the address;
  *   - copies must touch known memory (device, mapped-with-access, pinned or registered host);
- *   - cuEventQuery answers NOT_READY once after each record.
+ *   - cuEventQuery answers NOT_READY once after each record;
+ *   - ordering: the application's own GPU work (cuMemsetD8Async, cuMemcpyHtoDAsync: torch's
+ *     kernels stand-ins) completes late, only when something waits for it: its stream is
+ *     synchronized, an event recorded after it is queried or synchronized, another stream is
+ *     made to wait on such an event (cuStreamWaitEvent), or a later call on the same stream (or
+ *     a synchronous copy, for the legacy NULL stream) comes in stream order. A copy on another
+ *     stream that did not wait reads or overwrites the bytes before that work lands, and is
+ *     counted (stale). The engine's cuMemcpyAsync runs at once, as before.
  * Fault switches, read at each call: FAKE_CUDA_FAIL_INIT=1 (cuInit -> NO_DEVICE),
  * FAKE_CUDA_FAIL_EXPORT=1 (cuIpcGetMemHandle and cuMemExportToShareableHandle -> NOT_SUPPORTED),
  * FAKE_CUDA_CORRUPT_COPIES=1 (every async copy adds 1 to its first byte),
+ * FAKE_CUDA_IGNORE_WAITS=1 (cuStreamWaitEvent orders nothing: a driver that loses the wait),
  * FAKE_CUDA_HIDE=cuA,cuB (cuGetProcAddress does not know them: an older driver), read at start,
  * FAKE_CUDA_ATTRS=103=0,124=1 (device attributes answered otherwise),
  * FAKE_CUDA_PCI_BUS_IDS=BUSID,BUSID (each device's cuDeviceGetPCIBusId).
@@ -61,7 +69,7 @@ enum {
 
 struct ctx { unsigned magic; int device; int refs; };
 struct stream { unsigned magic; struct ctx *ctx; };
-struct event { unsigned magic; struct ctx *ctx; int pending; };
+struct event { unsigned magic; struct ctx *ctx; int pending; struct stream *on; unsigned long long upto; };
 struct handle { unsigned magic; int fd; size_t size; int device; int refs; int posix_fd; };
 
 enum kind { K_DEVICE, K_IPC, K_HOST_ALLOC, K_HOST_REG, K_RESERVE, K_MAP };
@@ -81,8 +89,9 @@ static struct range *g_ranges;
 static int g_init;
 static struct ctx g_primary[MAX_DEVICES];
 static unsigned long long g_seq;
-static long g_counters[8]; /* see fake_cuda_counters */
-enum { C_CTX_MISMATCH, C_UNKNOWN_COPY, C_NOT_READY, C_IPC_OPEN, C_IPC_CLOSE, C_COPIES, C_NO_CTX };
+static long g_counters[16]; /* see fake_cuda_counters */
+enum { C_CTX_MISMATCH, C_UNKNOWN_COPY, C_NOT_READY, C_IPC_OPEN, C_IPC_CLOSE, C_COPIES, C_NO_CTX,
+       C_STALE, C_WAITS };
 
 #define STACK_MAX 32
 static __thread struct ctx *t_stack[STACK_MAX];
@@ -308,7 +317,8 @@ CUresult cuCtxPopCurrent(struct ctx **out) {
 }
 
 CUresult cuCtxGetDevice(CUdevice *d) { NEED_CTX(); *d = current()->device; return OK; }
-CUresult cuCtxSynchronize(void) { NEED_CTX(); return OK; }
+static void order_flush_ctx(struct ctx *c);
+CUresult cuCtxSynchronize(void) { NEED_CTX(); order_flush_ctx(current()); return OK; }
 
 /* -- pointers ----------------------------------------------------------------------------- */
 CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
@@ -643,6 +653,144 @@ CUresult cuMemGetHandleForAddressRange(void *out, CUdeviceptr p, size_t size, in
     return E_NOT_SUPPORTED;
 }
 
+/* -- ordering: the application's GPU work, completing late ---------------------------------- */
+/* Work queued by cuMemsetD8Async / cuMemcpyHtoDAsync waits in one global FIFO (seq increasing)
+ * until something orders after it; then it lands (bytes written). */
+struct op { struct stream *s; unsigned long long seq; uintptr_t dst; size_t n; unsigned char *data; struct op *next; };
+static pthread_mutex_t g_order = PTHREAD_MUTEX_INITIALIZER;
+static struct op *g_ops;
+static unsigned long long g_op_seq;
+static struct stream g_null[MAX_DEVICES]; /* each context's legacy NULL stream */
+#define ALL_OPS (~0ULL)
+
+/* The stream an argument names: its own, or the current context's NULL stream. */
+static struct stream *order_stream(struct stream *s) {
+    if (s == NULL || (uintptr_t)s == 1 || (uintptr_t)s == 2) {
+        struct ctx *c = current();
+        if (c == NULL) return NULL;
+        g_null[c->device].ctx = c;
+        return &g_null[c->device];
+    }
+    return s;
+}
+
+/* Land the work of stream ``s`` queued up to ``upto`` (g_order held by the caller). */
+static void order_flush_locked(struct stream *s, unsigned long long upto) {
+    for (struct op **pp = &g_ops; *pp;) {
+        struct op *o = *pp;
+        if (o->s == s && o->seq <= upto) {
+            memcpy((void *)o->dst, o->data, o->n);
+            *pp = o->next;
+            free(o->data);
+            free(o);
+        } else {
+            pp = &o->next;
+        }
+    }
+}
+
+static void order_flush(struct stream *s, unsigned long long upto) {
+    if (s == NULL) return;
+    pthread_mutex_lock(&g_order);
+    order_flush_locked(s, upto);
+    pthread_mutex_unlock(&g_order);
+}
+
+/* Does work of a stream other than ``s`` still have to land in [p, p+n)? */
+static int order_stale(struct stream *s, uintptr_t p, size_t n) {
+    int hit = 0;
+    pthread_mutex_lock(&g_order);
+    for (struct op *o = g_ops; o && !hit; o = o->next)
+        hit = o->s != s && p < o->dst + o->n && o->dst < p + n;
+    pthread_mutex_unlock(&g_order);
+    return hit;
+}
+
+/* A copy on ``s`` (NULL: a synchronous copy, ordered on the legacy NULL stream): its own
+ * stream's earlier work lands first; work of other streams it did not wait for is counted. */
+static void order_copy(struct stream *s, uintptr_t dst, uintptr_t src, size_t n) {
+    struct stream *own = order_stream(s);
+    order_flush(own, ALL_OPS);
+    if (n && (order_stale(own, dst, n) || order_stale(own, src, n))) bump(C_STALE);
+}
+
+static void order_record(struct event *e, struct stream *s) {
+    pthread_mutex_lock(&g_order);
+    e->on = order_stream(s);
+    e->upto = g_op_seq;
+    pthread_mutex_unlock(&g_order);
+}
+
+/* Is work before the event's last record still to land? */
+static int order_pending(struct event *e) {
+    int hit = 0;
+    pthread_mutex_lock(&g_order);
+    for (struct op *o = g_ops; o && !hit; o = o->next) hit = o->s == e->on && o->seq <= e->upto;
+    pthread_mutex_unlock(&g_order);
+    return hit;
+}
+
+static void order_flush_ctx(struct ctx *c) {
+    pthread_mutex_lock(&g_order);
+    for (struct op **pp = &g_ops; *pp;) { /* in queue order */
+        struct op *o = *pp;
+        if (o->s->ctx == c) {
+            memcpy((void *)o->dst, o->data, o->n);
+            *pp = o->next;
+            free(o->data);
+            free(o);
+        } else {
+            pp = &o->next;
+        }
+    }
+    pthread_mutex_unlock(&g_order);
+}
+
+static CUresult order_enqueue(struct stream *s, uintptr_t dst, const void *src, int fill, size_t n) {
+    pthread_mutex_lock(&g_lock);
+    int ok = usable(dst, n);
+    pthread_mutex_unlock(&g_lock);
+    if (!ok) { bump(C_UNKNOWN_COPY); return E_INVALID_VALUE; }
+    struct stream *own = order_stream(s);
+    if (own == NULL) return E_INVALID_CONTEXT;
+    struct op *o = calloc(1, sizeof *o);
+    o->data = malloc(n ? n : 1);
+    if (src) memcpy(o->data, src, n); else memset(o->data, fill, n);
+    o->s = own; o->dst = dst; o->n = n;
+    pthread_mutex_lock(&g_order);
+    o->seq = ++g_op_seq;
+    struct op **pp = &g_ops;
+    while (*pp) pp = &(*pp)->next;
+    *pp = o;
+    pthread_mutex_unlock(&g_order);
+    return OK;
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, struct stream *s) {
+    NEED_CTX();
+    if (s && (uintptr_t)s > 2 && !(s->magic == MAGIC_STREAM)) return E_INVALID_HANDLE;
+    return order_enqueue(s, (uintptr_t)dst, NULL, v, n);
+}
+
+/* The source bytes are taken when queued (the real driver reads pinned memory when it runs). */
+CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t n, struct stream *s) {
+    NEED_CTX();
+    if (s && (uintptr_t)s > 2 && !(s->magic == MAGIC_STREAM)) return E_INVALID_HANDLE;
+    return order_enqueue(s, (uintptr_t)dst, src, 0, n);
+}
+
+/* Work queued on ``s`` after this waits for the event's last record: in the fake, whose
+ * engine copies run at once, that is the producer's work landing now. Events of other
+ * contexts are allowed, as with the real driver. */
+CUresult cuStreamWaitEvent(struct stream *s, struct event *e, unsigned int flags) {
+    NEED_CTX(); (void)flags;
+    if (s && (uintptr_t)s > 2 && !(s->magic == MAGIC_STREAM)) return E_INVALID_HANDLE;
+    if (e == NULL || e->magic != MAGIC_EVENT) return E_INVALID_HANDLE;
+    bump(C_WAITS);
+    if (e->on && !env_on("FAKE_CUDA_IGNORE_WAITS")) order_flush(e->on, e->upto);
+    return OK;
+}
+
 /* -- streams, events, copies ---------------------------------------------------------------- */
 CUresult cuStreamCreate(struct stream **out, unsigned int flags) {
     NEED_CTX(); (void)flags;
@@ -658,11 +806,12 @@ static struct event *as_event(struct event *e) { return e && e->magic == MAGIC_E
 CUresult cuStreamDestroy(struct stream *s) {
     NEED_INIT();
     if (!as_stream(s)) return E_INVALID_HANDLE;
+    order_flush(s, ALL_OPS); /* destroying a stream lets its work finish */
     s->magic = 0; free(s);
     return OK;
 }
 
-CUresult cuStreamSynchronize(struct stream *s) { NEED_CTX(); (void)s; return OK; }
+CUresult cuStreamSynchronize(struct stream *s) { NEED_CTX(); order_flush(order_stream(s), ALL_OPS); return OK; }
 
 /* The context a stream argument runs in: its own, or the current one for the NULL stream. */
 static struct ctx *stream_ctx(struct stream *s, CUresult *rc) {
@@ -691,22 +840,30 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct stream
     NEED_CTX();
     CUresult rc;
     stream_ctx(s, &rc);
+    if (rc == OK) order_copy(s, (uintptr_t)dst, (uintptr_t)src, n);
     return rc != OK ? rc : copy(dst, src, n, 1, 0, 0);
 }
 
-CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) { NEED_CTX(); return copy(dst, src, n, 0, 0, 0); }
+CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    NEED_CTX();
+    order_copy(NULL, (uintptr_t)dst, (uintptr_t)src, n);
+    return copy(dst, src, n, 0, 0, 0);
+}
 CUresult cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n) {
     NEED_CTX();
+    order_copy(NULL, (uintptr_t)dst, (uintptr_t)src, n);
     return copy(dst, (CUdeviceptr)(uintptr_t)src, n, 0, 0, 1);
 }
 CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) {
     NEED_CTX();
+    order_copy(NULL, (uintptr_t)dst, (uintptr_t)src, n);
     return copy((CUdeviceptr)(uintptr_t)dst, src, n, 0, 1, 0);
 }
 CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) { return cuMemcpy(dst, src, n); }
 
 CUresult cuMemsetD8(CUdeviceptr dst, unsigned char v, size_t n) {
     NEED_CTX();
+    order_copy(NULL, (uintptr_t)dst, (uintptr_t)dst, n);
     pthread_mutex_lock(&g_lock);
     int ok = usable((uintptr_t)dst, n);
     pthread_mutex_unlock(&g_lock);
@@ -718,7 +875,7 @@ CUresult cuMemsetD8(CUdeviceptr dst, unsigned char v, size_t n) {
 CUresult cuEventCreate(struct event **out, unsigned int flags) {
     NEED_CTX(); (void)flags;
     struct event *e = calloc(1, sizeof *e);
-    *e = (struct event){MAGIC_EVENT, current(), 0};
+    *e = (struct event){MAGIC_EVENT, current(), 0, NULL, 0};
     *out = e;
     return OK;
 }
@@ -737,6 +894,7 @@ CUresult cuEventRecord(struct event *e, struct stream *s) {
     struct ctx *sc = stream_ctx(s, &rc);
     if (rc != OK) return rc;
     if (sc != e->ctx) { bump(C_CTX_MISMATCH); return E_INVALID_HANDLE; }
+    order_record(e, s);
     e->pending = 1;
     return OK;
 }
@@ -744,6 +902,7 @@ CUresult cuEventRecord(struct event *e, struct stream *s) {
 CUresult cuEventQuery(struct event *e) {
     NEED_INIT();
     if (!as_event(e)) return E_INVALID_HANDLE;
+    if (order_pending(e)) { order_flush(e->on, e->upto); bump(C_NOT_READY); return E_NOT_READY; }
     if (__atomic_exchange_n(&e->pending, 0, __ATOMIC_ACQ_REL)) { bump(C_NOT_READY); return E_NOT_READY; }
     return OK;
 }
@@ -751,15 +910,17 @@ CUresult cuEventQuery(struct event *e) {
 CUresult cuEventSynchronize(struct event *e) {
     NEED_INIT();
     if (!as_event(e)) return E_INVALID_HANDLE;
+    if (e->on) order_flush(e->on, e->upto);
     e->pending = 0;
     return OK;
 }
 
 /* -- test hooks (not driver API) ------------------------------------------------------------ */
 /* ctx mismatches, unknown-memory copies, NOT_READY answers, IPC opens, IPC closes, copies,
- * calls needing a context without one. */
+ * calls needing a context without one, copies that did not wait for the application's work on
+ * their bytes (stale), cuStreamWaitEvent calls. */
 int fake_cuda_counters(long *out, int n) {
-    int k = n < 7 ? n : 7;
+    int k = n < 9 ? n : 9;
     for (int i = 0; i < k; i++) out[i] = __atomic_load_n(&g_counters[i], __ATOMIC_RELAXED);
     return k;
 }
@@ -787,6 +948,7 @@ static const struct entry g_entries[] = {
     E(cuStreamSynchronize), E(cuMemcpyAsync), E(cuMemcpy), E(cuMemcpyHtoD), E(cuMemcpyDtoH),
     E(cuMemcpyDtoD), E(cuMemsetD8), E(cuEventCreate), E(cuEventDestroy), E(cuEventRecord),
     E(cuEventQuery), E(cuEventSynchronize),
+    E(cuStreamWaitEvent), E(cuMemsetD8Async), E(cuMemcpyHtoDAsync),
 };
 
 /* FAKE_CUDA_HIDE=name,name: entry points this "driver" does not have. */

@@ -1,5 +1,5 @@
 """Device memory for tests, made through the real cuda-python (over the fake libcuda) the way an
-application makes it: the GPU check script's own ``Dev`` (scripts/gpu/check_transfer.py), one per
+application makes it: the GPU check script's own ``Dev`` (scripts/gpu/gpucheck/devmem.py), one per
 device, which pushes the device's primary context around each call and pops it after, leaving
 the caller's current context as it was."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
 
-from check_transfer import Dev
+from gpucheck.devmem import Dev
 
 GRANULARITY = 2 << 20  # the fake's (cuMemGetAllocationGranularity)
 _devs: dict[int, Dev] = {}

@@ -265,7 +265,63 @@ def fd_exports() -> dict[str, Any]:
     return out
 
 
+def produce(addr: int, data: bytes, stream: Any = None) -> None:
+    """The application's kernel: writes ``data`` at ``addr`` from its stream (by default the
+    current context's legacy NULL stream, torch's default); the fake lands it only when
+    ordered."""
+    mem.ok(cu.cuMemcpyHtoDAsync(addr, data, len(data), stream or cu.CUstream(0)))
+
+
+def ordering() -> dict[str, Any]:
+    """A kernel writes a GPU buffer on the application's stream and the engine moves it at once
+    (vLLM's layer-wise push): without a fence the copy does not wait (the fake counts it stale
+    and the peer gets the old bytes); with ``Fence`` of the buffer's device the copy stream
+    waits for it on the GPU, over cuda_ipc and tcp staging, and nobody's current device
+    changes, even when the application has another device current by then."""
+    out: dict[str, Any] = {}
+    n = MIB
+    for name in ("cuda_ipc", "tcp"):
+        p = Pair((name,))
+        try:
+            remote = p.remote("real_cuda", n, seed=20)
+            mem.ok(cu.cuCtxSetCurrent(mem.dev(0).ctx))  # torch.cuda.set_device(0)
+            local = p.local_gpu(0, n)
+            before = counters()
+            produce(local, pattern(21, n).tobytes())
+            p.engine.write(p.seg, local, remote, n)  # no fence: the control
+            stale = p.digest(remote, n) != hashlib.sha256(pattern(21, n).tobytes()).hexdigest()
+            mem.ok(cu.cuCtxSynchronize())
+            mid = counters()
+            want = pattern(22, n).tobytes()
+            produce(local, want)
+            mem.ok(cu.cuCtxSetCurrent(mem.dev(1).ctx))  # the application moved on to device 1
+            fence = cuda_driver.Fence(0, 0)  # device 0's legacy stream, not the current one's
+            p.engine.write(p.seg, local, remote, n, after=fence)
+            got = p.digest(remote, n) == hashlib.sha256(want).hexdigest()
+            after = counters()
+            # a stream the application made itself (torch.cuda.Stream), by its raw handle
+            mem.ok(cu.cuCtxSetCurrent(mem.dev(0).ctx))
+            own = mem.ok(cu.cuStreamCreate(1))
+            want2 = pattern(23, n).tobytes()
+            produce(local, want2, own)
+            mem.ok(cu.cuCtxSetCurrent(mem.dev(1).ctx))
+            p.engine.write(p.seg, local, remote, n, after=cuda_driver.Fence(0, int(own)))
+            got2 = p.digest(remote, n) == hashlib.sha256(want2).hexdigest()
+            mem.ok(cu.cuStreamDestroy(own))
+            out[name] = {
+                "unfenced_stale": [stale, mid["stale"] - before["stale"]],
+                "fenced_ok": [got, after["stale"] - mid["stale"], after["waits"] - mid["waits"]],
+                "own_stream_ok": [got2, counters()["stale"] - after["stale"]],
+                "current_after": current_device(),
+            }
+        finally:
+            p.close()
+    out["counters"] = counters()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "ordering": ordering,
     "fd_exports": fd_exports,
     "old_driver": old_driver,
     "ipc": ipc,

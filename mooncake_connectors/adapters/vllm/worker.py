@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...cpu_amx import enable_amx_tiles
-from ...pd.plan import StepPlan
 from ...pd.session import TransferSession
+from ..cuda_streams import stream_fence
 from .config import PDConfig
 from .metadata import PDHandshake
 from .stats import PDStats
@@ -37,25 +37,19 @@ class PDWorker(TransferSession):
             num_kv_heads=num_kv_heads,
             stats=PDStats(),
         )
-        self._on_gpu = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         if any(t.device.type == "cpu" for t in kv_caches.values()):
             enable_amx_tiles()
-        self._on_gpu = any(t.device.type == "cuda" for t in kv_caches.values())
+        gpu = next((t.device for t in kv_caches.values() if t.device.type == "cuda"), None)
+        if gpu is not None:
+            # A GPU forward runs on torch's stream of the KV cache's device; push writes run
+            # on streams of our own, which wait on the GPU for a fence recorded on that stream
+            # (each layer's, and each forward's end): no host sync, no device switch.
+            self.producer = stream_fence(gpu)
         self.register(kv_caches, get_tensor_model_parallel_rank())
-
-    def save_kv_layer(self, layer_name: str, meta: StepPlan) -> None:
-        # A GPU forward runs on torch's stream; our copies run on streams of their own, so the
-        # layer's KV must be written before a push reads it. Waiting for the stream here costs
-        # the push its overlap with the rest of this layer's kernels, not with later layers.
-        if self._on_gpu and (meta.push_send or self._step):
-            import torch
-
-            torch.cuda.current_stream().synchronize()
-        super().save_kv_layer(layer_name, meta)
 
     def handshake(self) -> PDHandshake | None:
         endpoint = self.side_channel

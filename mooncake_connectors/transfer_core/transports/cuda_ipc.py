@@ -52,6 +52,7 @@ _ABORT_WAIT = 5.0  # seconds an aborted lane waits for copies already queued to 
 
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
+    orders_after = True  # a slice's fence is waited for on its copy stream
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
@@ -291,6 +292,8 @@ class CudaIpcTransport(Transport):
         pieces = self._remote_pointers(state, region, s.remote_addr, s.length)
         device = s.local_device if s.local_device >= 0 else self._device_for(region)
         stream = state.stream(device)
+        if s.after is not None:  # the application's kernel writing these bytes comes first
+            s.after.order(stream)
         local = s.local_addr
         for remote, n in pieces:
             dst, src = (remote, local) if write else (local, remote)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from ...errors import GpuError, TransferTimeout
 from .. import cuda_driver
-from ..cuda_driver import CudaDriver
+from ..cuda_driver import CudaDriver, Fence
 from ..memory import view
 
 # A chunk's host copy is ready to go on the wire (to the network), or landed in the buffer
@@ -105,8 +105,13 @@ class Pipe:
             bufs.append(b)
         return bufs
 
-    def to_network(self, addr: int, length: int, send: SendChunk, deadline: float) -> None:
-        """Copy ``addr``+``length`` of device memory out through ``send``, chunk by chunk."""
+    def to_network(
+        self, addr: int, length: int, send: SendChunk, deadline: float, after: Fence | None = None
+    ) -> None:
+        """Copy ``addr``+``length`` of device memory out through ``send``, chunk by chunk
+        (after ``after``, a point in the application's stream, when given)."""
+        if after is not None:
+            after.order(self.stream)
         size = self.pool.size
         chunks = [(off, min(size, length - off)) for off in range(0, length, size)]
         bufs = self._buffers(len(chunks), deadline)
@@ -128,8 +133,12 @@ class Pipe:
         finally:
             self._give_back(bufs, deadline)
 
-    def from_network(self, addr: int, length: int, recv: RecvChunk, deadline: float) -> None:
+    def from_network(
+        self, addr: int, length: int, recv: RecvChunk, deadline: float, after: Fence | None = None
+    ) -> None:
         """Fill ``addr``+``length`` of device memory from ``recv``, chunk by chunk."""
+        if after is not None:
+            after.order(self.stream)
         size = self.pool.size
         chunks = [(off, min(size, length - off)) for off in range(0, length, size)]
         bufs = self._buffers(len(chunks), deadline)

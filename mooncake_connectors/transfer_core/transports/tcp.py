@@ -320,6 +320,7 @@ class TcpSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
 class TcpTransport(Transport):
     name = "tcp"
     Settings = TcpSettings
+    orders_after = True  # GPU slices stage on a copy stream that waits for their fence
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)

@@ -139,7 +139,7 @@ class StagedTcp:
         op = wire.OP_WRITE if write else wire.OP_READ
         sock.sendall(wire.REQ.pack(wire.REQ_MAGIC, op, 0, 0, rid, s.remote_addr, s.length))
         if write:
-            pipe.to_network(s.local_addr, s.length, sender(sock), s.deadline)
+            pipe.to_network(s.local_addr, s.length, sender(sock), s.deadline, s.after)
         hdr = bytearray(wire.RESP.size)
         wire.recv_exact(sock, memoryview(hdr))
         magic, status, _, _, got_rid, length = wire.RESP.unpack(hdr)
@@ -155,7 +155,8 @@ class StagedTcp:
         if not write:
             if length != s.length:
                 raise ProtocolError("READ answered with a wrong length", peer=peer.name)
-            pipe.from_network(s.local_addr, s.length, receiver(sock, wire.recv_exact), s.deadline)
+            recv = receiver(sock, wire.recv_exact)
+            pipe.from_network(s.local_addr, s.length, recv, s.deadline, s.after)
         return None
 
     def abort(self, peer_name: str) -> None:

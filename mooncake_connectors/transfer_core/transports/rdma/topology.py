@@ -194,8 +194,8 @@ def doctor_report(root: str = "/sys") -> list[str]:
     lines: list[str] = []
     if not topo.nics:
         lines.append(
-            f"rdma: no RDMA device under {os.path.join(root, 'class', 'infiniband')} "
-            "(no NIC, or no InfiniBand support in this kernel): the rdma transport cannot start"
+            f"rdma: no RDMA device under {os.path.join(root, 'class', 'infiniband')}: no "
+            "NIC/GPU distances to go by (the rdma transport counts every NIC it opens as near)"
         )
     for n in topo.nics:
         ports = os.path.join(root, "class", "infiniband", n.name, "ports")

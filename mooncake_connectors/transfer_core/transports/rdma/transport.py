@@ -37,7 +37,7 @@ from .mrs import Registry
 from .nicstate import NicState
 from .passive import _REAP_EVERY, PassiveSide
 from .rails import WR, Rail, RailOwner, Work, too_late
-from .settings import RdmaSettings
+from .settings import RdmaSettings as RdmaSettings  # where doctor and peers import it
 from .topology import Topology
 from .verbs import Nic, QpAddr, Verbs
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ....errors import ConfigError, TransportBroken
-from .memlock import MEMLOCK_FIX, check_memlock
+from .memlock import MEMLOCK_FIX as MEMLOCK_FIX  # where it was
+from .memlock import check_memlock
 from .memlock import has_ipc_lock as has_ipc_lock  # where it was
 from .pyverbs_load import load
 
