@@ -62,13 +62,24 @@ def new_fabric() -> str:
 
 def drop_fabric(fabric: str) -> None:
     Path(f"/dev/shm/fake-ibverbs-{fabric}").unlink(missing_ok=True)
-    for f in Path("/dev/shm").glob(f"fake-ibverbs-{fabric}.*.down"):
-        f.unlink(missing_ok=True)
+    for pattern in ("down", "gids"):
+        for f in Path("/dev/shm").glob(f"fake-ibverbs-{fabric}.*.{pattern}"):
+            f.unlink(missing_ok=True)
 
 
 def port_down_file(fabric: str, host: int, nic: str) -> Path:
     """While this file exists, port 1 of ``nic`` of host ``host`` is DOWN (the cable pulled)."""
     return Path(f"/dev/shm/fake-ibverbs-{fabric}.{host}.{nic}.down")
+
+
+def set_gids(fabric: str, host: int, nic: str, entries: dict[int, tuple[str, str] | None]) -> None:
+    """Change the GID table of ``nic`` of host ``host`` now, as the kernel does when an address
+    is added to or removed from its netdev: index -> (GID, "v1"|"v2"), or None to empty it."""
+    lines = [f"{i} -" if e is None else f"{i} {e[0]} {e[1]}" for i, e in sorted(entries.items())]
+    path = Path(f"/dev/shm/fake-ibverbs-{fabric}.{host}.{nic}.gids")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)  # the library never reads half a table
 
 
 def env(

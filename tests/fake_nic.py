@@ -19,7 +19,7 @@ import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from mooncake_connectors.transfer_core.transports.rdma.verbs import has_ipc_lock
+from mooncake_connectors.transfer_core.transports.rdma.memlock import has_ipc_lock
 
 if TYPE_CHECKING:
     from fake_verbs import MR, QP

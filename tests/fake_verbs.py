@@ -1,5 +1,21 @@
 """A test-only fake of the pyverbs objects the rdma transport uses (its seam, ``verbs.py``).
 
+Most rdma tests run on the emulated NIC instead: the FAKE libibverbs.so.1 (tests/fake_ibverbs)
+under the real pyverbs, in .venv-rdma. This stand-in stays only for what that emulation cannot
+give:
+  - a transport in the pytest process itself: the C library is picked by the dynamic loader
+    through LD_LIBRARY_PATH at process start, so it serves child processes only; tests that
+    call the transport object directly (a Slice with a forged region, the control listener's
+    socket, Registry and the dma-buf/peermem choice with a Python CUDA driver) run here;
+  - the core venv (.venv, where CI runs the cross-transport contract suite): Debian's pyverbs
+    is built for /usr/bin/python3 and imports only in .venv-rdma;
+  - faults injected from the test into a running NIC: ``fail(n, status)`` of the next n
+    requests, ``qps_to_error()``, ``vanish()`` (the CQ can no longer be polled), a per-request
+    ``latency`` (a slow rail, a rail owing completions past rail_timeout, requests outlasting a
+    deadline), and ``in_flight`` / ``lkeys`` to see what the NIC still holds; the C emulation
+    has only a port going down, a fabric carrying one traffic class, and GID-table changes;
+  - FAKE_VERBS_INSTANT=1, the benchmark mode below (``bench transfer --rdma-verbs fake_verbs``).
+
 It models NICs in each process: memory regions with lkey/rkey, bounds and access checks, RC
 queue pairs with the verbs state machine (RESET, INIT, RTR, RTS, ERR), one-sided READ and
 WRITE, completions in order per QP (success only when signalled, errors always, everything

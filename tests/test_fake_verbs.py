@@ -1,6 +1,8 @@
-"""The fake of pyverbs behaves as the verbs it stands for: the RC state machine, lkey/rkey and
-bounds checks, in-order completions with selective signalling, flushes after an error. Driven
-through our seam (verbs.Nic), two fake NICs of this process talking to each other."""
+"""The Python stand-in for pyverbs behaves as the verbs it stands for where the tests that remain
+on it rely on it: in-order completions with selective signalling, flushes after an injected
+error, a vanishing device. Driven through our seam (verbs.Nic), two fake NICs of this process.
+The RC state machine and rkey/bounds checks are tested on the emulated NIC under the real
+pyverbs (test_rdma_fake_ibverbs.py)."""
 
 from __future__ import annotations
 
@@ -52,22 +54,6 @@ def _poll(nic: Nic, n: int) -> list[Completion]:
     return out
 
 
-def test_state_machine_refuses_what_verbs_refuse(pair: tuple[Nic, Nic]) -> None:
-    a, b = pair
-    qp = a.create_qp(8)
-    assert qp.qp_state == e.IBV_QPS_RESET
-    with pytest.raises(TransportBroken):  # post_send before RTS
-        a.post(qp, 1, True, 0, 1, 0, 0, 0, True)
-    attr = fake_verbs.QPAttr(qp_state=e.IBV_QPS_RTS)
-    attr.sq_psn = 1
-    with pytest.raises(fake_verbs.PyverbsRDMAError):  # RESET -> RTS skips INIT and RTR
-        qp.to_rts(attr)
-    qa, _ = _connect(a, b)
-    assert qa.qp_state == e.IBV_QPS_RTS  # type: ignore[attr-defined]
-    a.to_error(qa)
-    assert qa.qp_state == e.IBV_QPS_ERR  # type: ignore[attr-defined]
-
-
 def test_write_read_in_order_with_selective_signalling(pair: tuple[Nic, Nic]) -> None:
     a, b = pair
     qa, _ = _connect(a, b)
@@ -94,26 +80,6 @@ def test_write_read_in_order_with_selective_signalling(pair: tuple[Nic, Nic]) ->
     a.post(qa, 9, False, back.ctypes.data, 512, mback.lkey, dst.ctypes.data + 512, mb.rkey, True)
     assert [c.wr_id for c in _poll(a, 1)] == [9]
     assert np.array_equal(back, src[512:1024])
-
-
-def test_rkey_bounds_and_rights_are_checked_by_the_responder(pair: tuple[Nic, Nic]) -> None:
-    a, b = pair
-    src, dst = np.ones(8192, dtype=np.uint8), np.zeros(8192, dtype=np.uint8)
-    ma = a.reg_mr(src.ctypes.data, src.size, RW)
-    mb = b.reg_mr(dst.ctypes.data, 4096, RW)
-    ro = b.reg_mr(dst.ctypes.data + 4096, 4096, e.IBV_ACCESS_REMOTE_READ)
-    cases = [
-        (dst.ctypes.data, mb.rkey + 1000),  # no such rkey
-        (dst.ctypes.data + 4000, mb.rkey),  # runs past the MR
-        (dst.ctypes.data + 4096, ro.rkey),  # WRITE into a read-only MR
-    ]
-    for raddr, rkey in cases:
-        qa, _ = _connect(a, b)
-        a.post(qa, 1, True, src.ctypes.data, 200, ma.lkey, raddr, rkey, True)
-        (c,) = _poll(a, 1)
-        assert c.status == e.IBV_WC_REM_ACCESS_ERR
-        assert qa.qp_state == e.IBV_QPS_ERR  # type: ignore[attr-defined]
-    assert not dst.any()  # nothing landed
 
 
 def test_an_error_flushes_everything_behind_it(pair: tuple[Nic, Nic]) -> None:

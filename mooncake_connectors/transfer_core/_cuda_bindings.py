@@ -138,6 +138,11 @@ class BindingsDriver(CudaDriver):
         uuid = check("cuDeviceGetUuid", self.cu.cuDeviceGetUuid(device))
         return bytes(uuid.bytes).hex()
 
+    def pci_bus_id(self, device: int) -> str:
+        raw = check("cuDeviceGetPCIBusId", self.cu.cuDeviceGetPCIBusId(32, device))
+        text = raw if isinstance(raw, str) else bytes(raw).split(b"\0", 1)[0].decode()
+        return text.strip().lower()
+
     def _attr(self, device: int, name: str) -> int:
         attr = getattr(self.cu.CUdevice_attribute, name)
         return int(check("cuDeviceGetAttribute", self.cu.cuDeviceGetAttribute(attr, device)))

@@ -68,6 +68,13 @@ class CudaDriver(abc.ABC):
     def device_uuid(self, device: int) -> str:
         """Stable across processes, unlike ordinals (CUDA_VISIBLE_DEVICES renumbers)."""
 
+    def pci_bus_id(self, device: int) -> str:
+        """Device ``device``'s PCI address as sysfs names it ("0000:3b:00.0"), "" if unknown.
+        CUDA's ordinals follow CUDA_VISIBLE_DEVICES (numbers or UUIDs) and CUDA_DEVICE_ORDER,
+        not the bus order, so only the driver knows which PCI function an ordinal is."""
+        del device
+        return ""
+
     @abc.abstractmethod
     def supports_vmm(self, device: int) -> bool: ...
 

@@ -25,7 +25,7 @@
  *
  * Devices come from FAKE_IBV_DEVICES: "name:link:mtu[:flags]" comma-separated, link "roce", "ib",
  * "iwarp" (an RNIC: iWARP transport, Ethernet link) or "efa" (unspecified link and transport), mtu
- * in bytes (256..4096); FAKE_IBV_TC / FAKE_IBV_SL: the one traffic class (RoCE) / service level
+ * in bytes (256..4096); a GID table changes at run time through a file (gid_knob); FAKE_IBV_TC / FAKE_IBV_SL: the one traffic class (RoCE) / service level
  * (IB) the fabric carries, the rest is dropped (retried out); flags "routed" (a routed fabric), "down" (port DOWN), "nogid" (an empty GID table), joined by +. FAKE_IBV_HOST (default: the pid) makes this process's GIDs and
  * LIDs; FAKE_IBV_FABRIC names the fabric (a shared file in /dev/shm) processes meet on. The
  * one-sided data moves with process_vm_readv/writev into the peer process's registered memory.
@@ -78,6 +78,7 @@ struct rdev {
 	int lossless_tc, lossless_sl; /* -1, or the only class the fabric carries (FAKE_IBV_TC/SL) */
 	uint8_t gid[NGID][16];
 	int gid_type[NGID]; /* enum ibv_gid_type */
+	uint32_t gid_gone;  /* bit i: entry i is empty (its address was removed from the netdev) */
 };
 struct rqp {
 	int pid, dev, state, is_global, sgid_index, path_mtu, access;
@@ -230,6 +231,49 @@ static int port_down(struct rdev *r)
 	return access(path, F_OK) == 0;
 }
 
+/* The GID table changes at run time while /dev/shm/fake-ibverbs-FABRIC.HOST.NAME.gids exists
+ * (an address added to or removed from the netdev): each line "INDEX -" empties that entry,
+ * "INDEX GID v1|v2" sets it (GID as 32 hex digits, colons allowed). Applied to the shared table,
+ * under the lock, by every call that reads it, so both ends of the fabric see the new table. */
+static void gid_knob(struct rdev *r)
+{
+	const char *f = getenv("FAKE_IBV_FABRIC");
+	char path[256], line[160];
+	snprintf(path, sizeof(path), "/dev/shm/fake-ibverbs-%s.%d.%s.gids", f && *f ? f : "default",
+		 r->host, r->name);
+	FILE *fh = fopen(path, "r");
+	if (!fh)
+		return;
+	while (fgets(line, sizeof(line), fh)) {
+		int idx;
+		char gid[64] = "", type[8] = "";
+		if (sscanf(line, "%d %63s %7s", &idx, gid, type) < 2 || idx < 0 || idx >= NGID)
+			continue;
+		if (strcmp(gid, "-") == 0) {
+			r->gid_gone |= 1u << idx;
+			continue;
+		}
+		uint8_t raw[16];
+		int n = 0;
+		for (const char *c = gid; *c && n < 32; c++) {
+			int v = *c >= '0' && *c <= '9' ? *c - '0' : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10
+				: *c >= 'A' && *c <= 'F' ? *c - 'A' + 10 : -1;
+			if (v < 0)
+				continue; /* a colon */
+			raw[n / 2] = n % 2 ? (raw[n / 2] | v) : v << 4;
+			n++;
+		}
+		if (n != 32)
+			continue;
+		memcpy(r->gid[idx], raw, 16);
+		r->gid_type[idx] = r->link == LINK_IB ? IBV_GID_TYPE_IB
+				 : strcmp(type, "v1") == 0 ? IBV_GID_TYPE_ROCE_V1 : IBV_GID_TYPE_ROCE_V2;
+		r->gid_gone &= ~(1u << idx);
+	}
+	fclose(fh);
+}
+static int gid_ok(struct rdev *r, int idx); /* below: a valid entry of the table */
+
 static struct fdev *fdev_of(struct ibv_device *dev) { return (struct fdev *)dev; }
 static struct rdev *rdev_of(struct ibv_context *ctx) { return &fab->dev[fdev_of(ctx->device)->slot]; }
 
@@ -365,6 +409,7 @@ int ibv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
 }
 
 static int ngid(struct rdev *r) { return r->nogid ? 0 : r->link == LINK_IB ? 1 : NGID; }
+static int gid_ok(struct rdev *r, int idx) { return idx >= 0 && idx < ngid(r) && !(r->gid_gone >> idx & 1); }
 
 int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct _compat_ibv_port_attr *out)
 {
@@ -394,7 +439,13 @@ int ibv_query_gid(struct ibv_context *ctx, uint8_t port, int index, union ibv_gi
 	struct rdev *r = rdev_of(ctx);
 	if (port != 1 || index < 0 || index >= ngid(r))
 		return -1;
-	memcpy(gid->raw, r->gid[index], 16);
+	lock();
+	gid_knob(r);
+	if (gid_ok(r, index))
+		memcpy(gid->raw, r->gid[index], 16);
+	else
+		memset(gid->raw, 0, 16); /* an empty entry reads as all zeros (sysfs), rc 0 */
+	unlock();
 	return 0;
 }
 
@@ -402,9 +453,13 @@ int ibv_query_gid(struct ibv_context *ctx, uint8_t port, int index, union ibv_gi
 int ibv_query_gid_type(struct ibv_context *ctx, uint8_t port, unsigned int index, uint32_t *type)
 {
 	struct rdev *r = rdev_of(ctx);
-	if (port != 1 || index >= (unsigned)ngid(r))
-		return EINVAL;
-	*type = r->gid_type[index] == IBV_GID_TYPE_ROCE_V2;
+	lock();
+	gid_knob(r);
+	int ok = port == 1 && gid_ok(r, (int)index), v2 = ok && r->gid_type[index] == IBV_GID_TYPE_ROCE_V2;
+	unlock();
+	if (!ok)
+		return EINVAL; /* an empty entry has no type (sysfs gid_attrs/types/N says EINVAL) */
+	*type = v2;
 	return 0;
 }
 
@@ -415,6 +470,12 @@ int _ibv_query_gid_ex(struct ibv_context *ctx, uint32_t port, uint32_t index,
 	struct rdev *r = rdev_of(ctx);
 	if (port != 1 || index >= (unsigned)ngid(r) || size < sizeof(*e))
 		return EINVAL;
+	lock();
+	gid_knob(r);
+	int ok = gid_ok(r, (int)index);
+	unlock();
+	if (!ok)
+		return ENODATA; /* what rdma-core answers for an empty entry */
 	memcpy(e->gid.raw, r->gid[index], 16);
 	e->gid_index = index;
 	e->port_num = port;
@@ -428,9 +489,14 @@ ssize_t _ibv_query_gid_table(struct ibv_context *ctx, struct ibv_gid_entry *entr
 {
 	struct rdev *r = rdev_of(ctx);
 	size_t n = 0;
-	for (int i = 0; i < ngid(r) && n < max; i++, n++)
-		if (_ibv_query_gid_ex(ctx, 1, i, &entries[n], flags, size))
+	for (int i = 0; i < ngid(r) && n < max; i++) {
+		int rc = _ibv_query_gid_ex(ctx, 1, i, &entries[n], flags, size);
+		if (rc == ENODATA)
+			continue; /* the table lists valid entries only */
+		if (rc)
 			return -EINVAL;
+		n++;
+	}
 	return n;
 }
 
@@ -690,8 +756,9 @@ int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *a, int mask)
 			rc = EINVAL;
 		else if (d->link == LINK_ETH && !ah->is_global)
 			rc = EINVAL; /* RoCE addresses by GID only */
-		else if (ah->is_global && ah->grh.sgid_index >= ngid(d))
-			rc = EINVAL; /* no such source GID */
+		else if (ah->is_global && (gid_knob(d), !gid_ok(d, ah->grh.sgid_index)))
+			rc = EINVAL; /* no such source GID, or its entry is empty (the kernel's
+				      * rdma_get_gid_attr refuses an invalid entry) */
 		else if (d->link == LINK_IB && !ah->is_global && ah->dlid == 0)
 			rc = EINVAL;
 	}
@@ -777,8 +844,9 @@ static struct rqp *route(struct rqp *me)
 			return NULL;
 		if (me->is_global) {
 			int hit = -1;
+			gid_knob(dst);
 			for (int g = 0; g < ngid(dst); g++)
-				if (!memcmp(dst->gid[g], me->dgid, 16))
+				if (gid_ok(dst, g) && !memcmp(dst->gid[g], me->dgid, 16))
 					hit = g;
 			if (hit < 0 || dst->gid_type[hit] != stype)
 				return NULL;

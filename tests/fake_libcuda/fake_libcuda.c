@@ -32,10 +32,12 @@
  * FAKE_CUDA_CORRUPT_COPIES=1 (every async copy adds 1 to its first byte),
  * FAKE_CUDA_IGNORE_WAITS=1 (cuStreamWaitEvent orders nothing: a driver that loses the wait),
  * FAKE_CUDA_HIDE=cuA,cuB (cuGetProcAddress does not know them: an older driver), read at start,
- * FAKE_CUDA_ATTRS=103=0,124=1 (device attributes answered otherwise).
+ * FAKE_CUDA_ATTRS=103=0,124=1 (device attributes answered otherwise),
+ * FAKE_CUDA_PCI_BUS_IDS=BUSID,BUSID (each device's cuDeviceGetPCIBusId).
  * fake_cuda_counters() reports what happened, for the tests' assertions.
  */
 #define _GNU_SOURCE
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -197,6 +199,26 @@ CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) {
     CHECK_DEV(d);
     for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xf0 + i); /* bytes >= 0x80 on purpose */
     uuid[0] = (unsigned char)(0xa0 + d);
+    return OK;
+}
+
+/* FAKE_CUDA_PCI_BUS_IDS=0000:81:00.0,0000:01:00.0: device N's PCI address (as the real driver,
+ * upper-case hex); unset or short: 0000:<N+1>:00.0. CUDA numbers devices by its own order
+ * (fastest first by default, CUDA_VISIBLE_DEVICES), not by bus, so the list need not be sorted. */
+CUresult cuDeviceGetPCIBusId(char *out, int len, CUdevice d) {
+    CHECK_DEV(d);
+    if (out == NULL || len <= 0) return E_INVALID_VALUE;
+    const char *p = getenv("FAKE_CUDA_PCI_BUS_IDS");
+    for (int i = 0; p && *p && i < d; i++) p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL;
+    char id[32];
+    if (p && *p) {
+        size_t n = strcspn(p, ",");
+        snprintf(id, sizeof id, "%.*s", (int)(n < 31 ? n : 31), p);
+        for (char *c = id; *c; c++) *c = (char)toupper((unsigned char)*c);
+    } else {
+        snprintf(id, sizeof id, "0000:%02X:00.0", d + 1);
+    }
+    snprintf(out, (size_t)len, "%s", id);
     return OK;
 }
 
@@ -912,7 +934,7 @@ struct entry { const char *name; void *fn; };
 static const struct entry g_entries[] = {
     E(cuInit), E(cuDriverGetVersion), E(cuDeviceGetCount), E(cuDeviceGet), E(cuDeviceGetName),
     {"cuDeviceGetUuid", (void *)cuDeviceGetUuid}, {"cuDeviceGetUuid_v2", (void *)cuDeviceGetUuid},
-    E(cuDeviceTotalMem), E(cuDeviceGetAttribute), E(cuDeviceCanAccessPeer), E(cuGetErrorName),
+    E(cuDeviceTotalMem), E(cuDeviceGetPCIBusId), E(cuDeviceGetAttribute), E(cuDeviceCanAccessPeer), E(cuGetErrorName),
     E(cuGetErrorString), E(cuDevicePrimaryCtxRetain), E(cuDevicePrimaryCtxRelease),
     E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxPushCurrent), E(cuCtxPopCurrent),
     E(cuCtxGetDevice), E(cuCtxSynchronize), E(cuPointerGetAttribute), E(cuMemGetAddressRange),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ....plugins import hookimpl
 from ...transport import Transport
-from .transport import RdmaSettings, RdmaTransport
+from .settings import RdmaSettings
+from .transport import RdmaTransport
 
 
 @hookimpl

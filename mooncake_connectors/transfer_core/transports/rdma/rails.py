@@ -28,15 +28,22 @@ from ....errors import (
 )
 from ....types import TransferOp
 from ...transport import Slice
-from .verbs import Completion, Nic, QpAddr
+from .verbs import Completion, GidChanged, QpAddr
 
 if TYPE_CHECKING:
     from .mrs import LocalMr
+    from .nicstate import NicState
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 IDLE, CONNECTING, READY = 0, 1, 2
-PORT_CHECK = 0.5  # seconds between looks at each NIC's port state
+INVALID_REQUEST_CAUSES = (
+    "the peer's NIC refused a request as invalid (IBV_WC_REM_INV_REQ_ERR), which on first "
+    "contact means the two ends of this rail disagree: usually the path MTU (the netdevs' MTUs "
+    "differ, e.g. 9000 and 1500, and the peer does not negotiate it), else a RoCE/InfiniBand "
+    "setting (link layer, GID type, partition) or a firmware limit on this port pair; the rail "
+    "is left out for a while and other rails or transports carry the data"
+)
 
 
 class Work:
@@ -89,116 +96,6 @@ class WR:
     def end(self, err: MooncakeConnectorsError | None) -> None:
         self.mr.release()
         self.work.finish_one(err)
-
-
-class NicState:
-    """A local NIC, its poller thread and the rails that use it."""
-
-    def __init__(self, nic: Nic, stop: threading.Event) -> None:
-        self.nic = nic
-        self.stop = stop
-        self.rails: dict[int, Rail] = {}  # qp number -> rail
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
-        self.dead: MooncakeConnectorsError | None = None
-        self.down = False  # the port is not ACTIVE (polled; it may come back)
-        # CQ slots not yet promised: every WR posted may end in a CQE (an error flushes all of
-        # them, signalled or not), so at most cq_size WRs are outstanding on this NIC's QPs
-        # together. A slot comes back when its WR's fate is known: vouched for by a completion,
-        # or its QP destroyed (which removes its CQEs from the CQ).
-        self.credits = nic.cq_size
-        self.thread = threading.Thread(
-            target=self._poll_loop, name=f"mc-rdma-poll-{nic.name}", daemon=True
-        )
-
-    def take(self) -> bool:
-        """Promise one CQ slot to a WR about to be posted; False when the CQ could fill."""
-        with self.lock:
-            if self.credits <= 0:
-                return False
-            self.credits -= 1
-            return True
-
-    def give(self, n: int, kick: bool = True) -> None:
-        """``n`` CQ slots are free again; rails waiting for one post their queues."""
-        if n <= 0:
-            return
-        with self.lock:
-            self.credits += n
-        for rail in list(self.rails.values()) if kick else ():
-            if rail.queue:
-                rail.kick()
-
-    def busy(self) -> bool:
-        return any(r.outstanding for r in list(self.rails.values()))
-
-    def poll_once(self) -> bool:
-        """Poll the CQ once and hand completions to their rails; True if there were any.
-        The poller thread calls this, and so does a caller that waits for its slices anyway."""
-        if self.dead is not None:
-            return False
-        try:
-            comps = self.nic.poll(64)
-        except TransportBroken as exc:
-            self.vanished(exc)
-            return False
-        by_qp: dict[int, list[Completion]] = {}
-        for c in comps:
-            by_qp.setdefault(c.qp_num, []).append(c)
-        for qpn, cs in by_qp.items():
-            rail = self.rails.get(qpn)
-            if rail is not None:  # else: flushes of a QP we already took down
-                rail.completed(cs)
-        return bool(comps)
-
-    def check_port(self) -> None:
-        """Follow the port's state. Async events (port down, device fatal) are not read:
-        pyverbs' Context.get_async_event blocks in ibv_get_async_event holding the GIL, and
-        pyverbs exposes no async fd to wait on first, so a thread reading them would stall
-        every Python thread until an event came. The port state is polled instead: while it
-        is not ACTIVE the NIC's rails are taken down and none is picked."""
-        down = not self.nic.port_active()
-        if down == self.down:
-            return
-        self.down = down
-        if not down:
-            log.info("rdma NIC %s port %d is ACTIVE again", self.nic.name, self.nic.port)
-            return
-        log.warning(
-            "rdma NIC %s port %d is down: its rails are left out", self.nic.name, self.nic.port
-        )
-        for rail in list(self.rails.values()):
-            rail.broke(TransportBroken(f"NIC {self.nic.name} port down"), cool=True)
-
-    def _poll_loop(self) -> None:
-        idle = 0
-        checked = ported = time.monotonic()
-        while not self.stop.is_set() and self.dead is None:
-            if time.monotonic() - ported > PORT_CHECK:
-                ported = time.monotonic()
-                self.check_port()
-            if not self.busy():
-                self.wake.wait(0.2)
-                self.wake.clear()
-                continue
-            if self.poll_once():
-                idle = 0
-            else:
-                idle += 1
-                # Spin briefly (a completion is often microseconds away), then back off.
-                time.sleep(0 if idle < 8 else 0.0001)
-            now = time.monotonic()
-            if now - checked > 0.05:
-                checked = now
-                for rail in list(self.rails.values()):
-                    rail.check_timeout(now)
-
-    def vanished(self, exc: MooncakeConnectorsError) -> None:
-        """The device is gone: every rail on it breaks and never comes back."""
-        self.dead = exc
-        log.warning("rdma NIC %s failed: %s", self.nic.name, exc)
-        for rail in list(self.rails.values()):
-            rail.broke(TransportBroken(f"NIC {self.nic.name} failed: {exc.message}"), cool=True)
 
 
 class Rail:
@@ -310,12 +207,22 @@ class Rail:
         gen = self.gen
         qp: Any = None
         try:
-            qp = nic.create_qp(self.owner.max_wr)
-            psn = int.from_bytes(os.urandom(3), "little")
-            theirs = self.owner.exchange(
-                self, QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu)
-            )
-            nic.connect(qp, theirs, psn)
+            for again in (True, False):
+                qp = nic.create_qp(self.owner.max_wr)
+                psn = int.from_bytes(os.urandom(3), "little")
+                gid = nic.gid
+                theirs = self.owner.exchange(
+                    self, QpAddr(int(qp.qp_num), psn, gid, nic.lid, nic.mtu)
+                )
+                try:
+                    nic.connect(qp, theirs, psn, sent_gid=gid)
+                    break
+                except GidChanged as exc:
+                    if not again:
+                        raise
+                    log.info("rdma rail %s connects again: %s", self.path, exc)
+                    nic.destroy(qp)
+                    qp = None  # the peer's QP for the old GID is replaced by the next exchange
         except Exception as exc:  # whatever it is, the rail must fail, never stay CONNECTING
             if isinstance(exc, MooncakeConnectorsError):
                 err: MooncakeConnectorsError = exc
@@ -395,7 +302,11 @@ class Rail:
             )
             self.broke(TransportBroken("QP left in ERR by an access error"), cool=False)
             return
-        err = TransportBroken(f"completion status {status}", peer=self.peer, path=self.path)
+        why = f"completion status {status}"
+        if status == self.nic.nic.verbs.INVALID_REQUEST:
+            why = f"{INVALID_REQUEST_CAUSES} (completion status {status})"
+            log.warning("rdma rail %s: %s", self.path, why)
+        err = TransportBroken(why, peer=self.peer, path=self.path)
         self.broke(err, cool=True, first=bad)
 
     def _kick_others(self) -> None:

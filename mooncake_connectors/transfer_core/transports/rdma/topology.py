@@ -17,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from ....errors import GpuError, GpuUnavailable
 from ....types import LocationKind, parse_location
 
 PIX, PXB, PHB, NODE, SYS = 1, 2, 3, 4, 5
@@ -94,10 +95,43 @@ def distance(a: Device, b: Device) -> int:
     return SYS
 
 
+def cuda_bus_id(ordinal: int) -> str | None:
+    """The PCI address of CUDA device ``ordinal`` of this process, from the driver (our CUDA
+    seam); "" when the driver cannot say, None when no driver is loaded here. Never loads one:
+    a process with GPU regions has loaded it to register them."""
+    from ... import cuda_driver
+
+    if not cuda_driver.loaded():
+        return None
+    try:
+        return cuda_driver.driver().pci_bus_id(ordinal)
+    except (GpuError, GpuUnavailable):
+        return ""
+
+
 @dataclass
 class Topology:
     nics: list[Device] = field(default_factory=list)
-    gpus: list[Device] = field(default_factory=list)  # in CUDA's PCI-bus order
+    gpus: list[Device] = field(default_factory=list)  # in PCI-bus order (the fallback guess)
+    root: str = ""  # the sysfs root read, where a GPU's PCI address is looked up
+    _by_ordinal: dict[int, Device | None] = field(default_factory=dict, repr=False)
+
+    def gpu(self, ordinal: int) -> Device | None:
+        """CUDA device ``ordinal``'s place in the tree: by the PCI address the driver gives
+        (right whatever CUDA_VISIBLE_DEVICES, by number or UUID, and CUDA_DEVICE_ORDER say),
+        else the ``ordinal``-th NVIDIA function in bus order (what CUDA numbers with
+        CUDA_DEVICE_ORDER=PCI_BUS_ID and all GPUs visible)."""
+        if ordinal in self._by_ordinal:
+            return self._by_ordinal[ordinal]
+        bus = cuda_bus_id(ordinal)
+        path = os.path.join(self.root, "bus", "pci", "devices", bus or "")
+        if bus and self.root and _PCI_ADDR.match(bus) and os.path.exists(path):
+            dev: Device | None = _device(bus, path)
+        else:
+            dev = self.gpus[ordinal] if 0 <= ordinal < len(self.gpus) else None
+        if bus is not None:  # the driver answered (or cannot): that does not change
+            self._by_ordinal[ordinal] = dev
+        return dev
 
     @classmethod
     def read(cls, root: str = "/sys", visible: str | None = None) -> Topology:
@@ -120,7 +154,7 @@ class Topology:
         if visible and all(v.strip().isdigit() for v in visible.split(",")):
             picked = [int(v) for v in visible.split(",")]
             gpus = [gpus[i] for i in picked if i < len(gpus)]
-        return cls(nics, gpus)
+        return cls(nics, gpus, root)
 
     def nic(self, name: str) -> Device | None:
         return next((n for n in self.nics if n.name == name), None)
@@ -132,8 +166,8 @@ class Topology:
         except ValueError:
             return list(among)
         known = [(name, self.nic(name)) for name in among]
-        if kind is LocationKind.CUDA and int(rest) < len(self.gpus):
-            gpu = self.gpus[int(rest)]
+        gpu = self.gpu(int(rest)) if kind is LocationKind.CUDA else None
+        if gpu is not None:
             dist = {n: distance(gpu, d) for n, d in known if d is not None}
             if dist:
                 best = min(dist.values())

@@ -13,7 +13,6 @@ refused rkey or bounds is AccessViolation, never retried.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -23,8 +22,6 @@ from ....errors import (
     AccessViolation,
     ConfigError,
     MooncakeConnectorsError,
-    ProtocolError,
-    SegmentNotFound,
     TransportBroken,
     TransportClosed,
 )
@@ -32,65 +29,19 @@ from ....types import LocationKind
 from ...descriptor import RegionDesc, SegmentDesc
 from ...health import PathHealth
 from ...memory import Region
-from ...transport import Slice, Transport, TransportContext, TransportSettings, load_settings
+from ...transport import Slice, Transport, TransportContext, load_settings
 from ..tcp_server import TcpServer
 from . import control
+from .memlock import check_memlock
 from .mrs import Registry
-from .rails import WR, NicState, Rail, RailOwner, Work, too_late
+from .nicstate import NicState
+from .passive import _REAP_EVERY, PassiveSide
+from .rails import WR, Rail, RailOwner, Work, too_late
+from .settings import RdmaSettings as RdmaSettings  # where doctor and peers import it
 from .topology import Topology
 from .verbs import Nic, QpAddr, Verbs
 
 log = logging.getLogger(__name__)
-_REAP_EVERY = 5.0  # seconds between sweeps for passive QPs of initiators gone
-
-
-class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
-    """``transport_settings["rdma"]``.
-
-    verbs: the module with pyverbs' objects ("pyverbs"; tests name a fake). nics: devices to use
-    (empty: all). port: the port of each NIC. gid_index: the GID table entry of every NIC, or
-    -1 (default) for each NIC's own best: InfiniBand 0, RoCE its RoCE v2 (IPv4-mapped first)
-    GID, as Mooncake probes. slice_size: bytes
-    per work request. max_wr: work requests in flight per QP. signal_every: ask for a completion
-    every N requests. rail_timeout: seconds a rail may owe a completion before it is failed.
-    min_memlock: the locked-memory limit (bytes) below which start fails. max_passive: QPs
-    peers may have us make (a flood of connects cannot exhaust the NIC); when full, those of
-    initiators whose segment is gone are destroyed. traffic_class / service_level: the RoCE
-    GRH traffic class and the IB service level of every QP; -1 takes MC_IB_TC / MC_IB_SL, else
-    0 (DSCP 0 is the lossy class on PFC/ECN fabrics, so RoCE deployments set it). gpu_mr: "auto"
-    (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read.
-    """
-
-    verbs: str = "pyverbs"
-    nics: tuple[str, ...] = ()
-    port: int = 1
-    gid_index: int = -1
-    slice_size: int = 64 * 1024
-    max_wr: int = 128
-    signal_every: int = 16
-    rail_timeout: float = 2.0
-    min_memlock: int = 64 * 1024 * 1024
-    max_passive: int = 4096
-    traffic_class: int = -1
-    service_level: int = -1
-    gpu_mr: str = "auto"
-    sysfs: str = "/sys"
-
-    def __post_init__(self) -> None:
-        checks = (
-            (4096 <= self.slice_size <= 1 << 30, "slice_size must be in 4 KiB..1 GiB"),
-            (1 <= self.max_wr <= 16384, "max_wr must be in 1..16384"),
-            (1 <= self.signal_every <= self.max_wr, "signal_every must be in 1..max_wr"),
-            (self.rail_timeout > 0, "rail_timeout must be > 0"),
-            (self.max_passive >= 1, "max_passive must be >= 1"),
-            (-1 <= self.traffic_class <= 255, "traffic_class must be -1 (MC_IB_TC) or 0..255"),
-            (-1 <= self.service_level <= 15, "service_level must be -1 (MC_IB_SL) or 0..15"),
-            (self.gid_index >= -1, "gid_index must be -1 (probe each NIC) or a table index"),
-            (self.gpu_mr in ("auto", "dmabuf", "peermem"), "gpu_mr: auto, dmabuf or peermem"),
-        )
-        for ok, why in checks:
-            if not ok:
-                raise ConfigError(f"rdma {why}", transport="rdma")
 
 
 class _Peer:
@@ -104,7 +55,7 @@ def _incarnation(d: SegmentDesc) -> tuple[object, ...]:
     return (d.host_id, d.pid, d.endpoints.get("rdma"), tuple(sorted(d.rdma_gids.items())))
 
 
-class RdmaTransport(Transport, RailOwner):
+class RdmaTransport(PassiveSide, Transport, RailOwner):
     name = "rdma"
     Settings = RdmaSettings
 
@@ -140,7 +91,7 @@ class RdmaTransport(Transport, RailOwner):
             if unknown:
                 raise ConfigError(f"rdma nics {unknown} not found; this host has {names}")
             names = list(st.nics)
-        verbs.check_memlock(st.min_memlock)
+        check_memlock(st.min_memlock)
         env = ib_qos_from_env()
         tc = st.traffic_class if st.traffic_class >= 0 else env.get("traffic_class", 0)
         sl = st.service_level if st.service_level >= 0 else env.get("service_level", 0)
@@ -424,60 +375,3 @@ class RdmaTransport(Transport, RailOwner):
             }
             for r in (p.rails if p is not None else [])
         }
-
-    # -- target side of the connect exchange ------------------------------------------------
-    def _on_connect(self, payload: bytes, who: str) -> bytes:
-        req = control.decode_request(payload)
-        state = self.nics.get(req.peer_nic)
-        if state is None or state.dead is not None:
-            raise ProtocolError(f"no usable RDMA device {req.peer_nic!r} here")
-        nic = state.nic
-        qp = nic.create_qp(self.max_wr)
-        psn = int.from_bytes(os.urandom(3), "little")
-        try:
-            nic.connect(qp, QpAddr(req.qpn, req.psn, req.gid, req.lid, req.mtu), psn)
-        except MooncakeConnectorsError:
-            nic.destroy(qp)
-            raise
-        key = (req.segment, req.nic, req.peer_nic)
-        cap = self.settings.max_passive
-        with self._lock:
-            old = self._passive.pop(key, None)
-            full = len(self._passive) >= cap
-        if full:
-            self._reap_passive()
-        with self._lock:
-            if self._closed or len(self._passive) >= cap:
-                nic.destroy(qp)
-                raise ProtocolError("too many rdma connections")
-            self._passive[key] = (nic, qp)
-        if old is not None:
-            old[0].destroy(old[1])
-        return control.encode_reply(QpAddr(int(qp.qp_num), psn, nic.gid, nic.lid, nic.mtu))
-
-    def _reap_passive(self) -> None:
-        """Destroy the passive QPs of initiators whose segment is gone (a closed engine
-        unpublishes it): nothing on a target's QP shows that its initiator went away, so
-        without this a long-running target refuses every new peer once max_passive initiators
-        came and went. A sweep looks each initiator up, so it runs at most every _REAP_EVERY s;
-        an initiator whose lookup fails otherwise (metadata unreachable) keeps its QPs."""
-        now = time.monotonic()
-        if now - self._reaped < _REAP_EVERY:
-            return
-        self._reaped = now
-        with self._lock:
-            segments = {k[0] for k in self._passive}
-        gone = set()
-        for seg in segments:
-            try:
-                self.ctx.refresh_peer(seg)
-            except SegmentNotFound:
-                gone.add(seg)
-            except MooncakeConnectorsError:
-                continue
-        with self._lock:
-            dead = [self._passive.pop(k) for k in list(self._passive) if k[0] in gone]
-        for nic, qp in dead:
-            nic.destroy(qp)
-        if dead:
-            log.info("rdma: destroyed %d QPs of %d initiators gone", len(dead), len(gone))

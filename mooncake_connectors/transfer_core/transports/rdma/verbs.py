@@ -14,65 +14,20 @@ ConfigError that says how to fix them; failures on the data path are TransportBr
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
-import importlib
-import resource
+import logging
 import threading
-import types
 from dataclasses import dataclass
 from typing import Any
 
 from ....errors import ConfigError, TransportBroken
+from .memlock import MEMLOCK_FIX as MEMLOCK_FIX  # where it was
+from .memlock import check_memlock
+from .memlock import has_ipc_lock as has_ipc_lock  # where it was
+from .pyverbs_load import load
 
-_NAMES = (
-    "Context",
-    "PD",
-    "MR",
-    "DmaBufMR",
-    "CQ",
-    "QP",
-    "QPCap",
-    "QPInitAttr",
-    "QPAttr",
-    "AHAttr",
-    "GlobalRoute",
-    "GID",
-    "SendWR",
-    "SGE",
-    "get_device_list",
-    "PyverbsError",
-    "PyverbsRDMAError",
-)
-# The IBV_* constants this module reads; start fails clearly when pyverbs lacks one.
-_ENUMS = (
-    "IBV_WC_SUCCESS",
-    "IBV_WC_REM_ACCESS_ERR",
-    "IBV_WC_LOC_PROT_ERR",
-    "IBV_WC_REM_INV_REQ_ERR",
-    "IBV_ACCESS_LOCAL_WRITE",
-    "IBV_ACCESS_REMOTE_WRITE",
-    "IBV_ACCESS_REMOTE_READ",
-    "IBV_QPT_RC",
-    "IBV_QPS_RESET",
-    "IBV_QPS_INIT",
-    "IBV_QPS_RTR",
-    "IBV_QPS_RTS",
-    "IBV_QPS_ERR",
-    "IBV_QP_STATE",
-    "IBV_WR_RDMA_WRITE",
-    "IBV_WR_RDMA_READ",
-    "IBV_SEND_SIGNALED",
-)
-_PYVERBS_FIX = (
-    "install rdma-core's Python bindings (Debian/Ubuntu: apt-get install python3-pyverbs) and "
-    "run a Python of the same version that can import them (a venv made with "
-    "--system-site-packages, or /usr/lib/python3/dist-packages on PYTHONPATH)"
-)
-MEMLOCK_FIX = (
-    "raise the locked-memory limit: `ulimit -l unlimited` in the shell, "
-    "LimitMEMLOCK=infinity for a systemd unit, `--ulimit memlock=-1` for docker"
-)
+log = logging.getLogger(__name__)
+
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
 LINK_LAYER_INFINIBAND = 1  # IBV_LINK_LAYER_INFINIBAND (a #define in verbs.h, not in every pyverbs)
 LINK_LAYER_ETHERNET = 2  # IBV_LINK_LAYER_ETHERNET: RoCE
@@ -80,107 +35,6 @@ CQ_ENTRIES = 4096  # the CQ of one NIC, or the device's max_cqe when smaller
 RD_ATOMIC = 16  # READs in flight per QP (ConnectX's max_qp_rd_atom), or the device's cap
 TRANSPORT_IB = 0  # IBV_TRANSPORT_IB: InfiniBand and RoCE; iWARP is 1, usNIC 2-3, EFA 4
 GID_TYPE_ROCE_V2 = 1  # IBV_GID_TYPE_SYSFS_ROCE_V2, what Context.query_gid_type answers
-_CAP_IPC_LOCK = 14
-
-
-def has_ipc_lock() -> bool:
-    """Does this process hold CAP_IPC_LOCK (which lifts RLIMIT_MEMLOCK for pinned memory)?"""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
-def _flat_enums(mods: list[types.ModuleType]) -> types.SimpleNamespace:
-    """Every ``IBV_*`` constant of pyverbs' enum modules, as plain ints in one namespace.
-
-    rdma-core <= 58 (``pyverbs.enums``, Cython < 3.1) puts each member at module level as well as
-    in its enum class; v59 moved them to ``pyverbs.libibverbs_enums``, and Cython >= 3.1 builds
-    keep them only in the classes (``ibv_qp_type.IBV_QPT_RC``). Reading the classes covers both.
-    """
-    flat: dict[str, int] = {}
-    for mod in mods:
-        for name, val in vars(mod).items():
-            if isinstance(val, enum.EnumMeta):
-                members: dict[str, Any] = dict(val.__members__)
-                for member_name, member in members.items():
-                    if member_name.startswith("IBV_"):
-                        flat.setdefault(member_name, int(member))
-            elif name.startswith("IBV_") and isinstance(val, int):
-                flat.setdefault(name, int(val))
-    return types.SimpleNamespace(**flat)
-
-
-def _enum_modules() -> list[types.ModuleType]:
-    mods = []
-    for name in ("pyverbs.libibverbs_enums", "pyverbs.enums"):  # v59+, then v28..v58
-        try:
-            mods.append(importlib.import_module(name))
-        except ImportError:
-            continue
-    return mods
-
-
-def _load_pyverbs() -> types.SimpleNamespace:
-    try:
-        from pyverbs import addr, cq, device, mr, pd, pyverbs_error, qp, wr
-    except ImportError as exc:
-        if exc.name == "pyverbs":
-            raise ConfigError(f"the rdma transport needs pyverbs ({exc}): {_PYVERBS_FIX}") from None
-        raise ConfigError(
-            f"pyverbs is installed but does not load ({exc}): run a Python of the version it was "
-            "built for, or reinstall rdma-core's Python bindings"
-        ) from None
-    mods = _enum_modules()
-    e = _flat_enums(mods)
-    missing = [n for n in _ENUMS if not hasattr(e, n)]
-    if missing:
-        import pyverbs
-
-        where = getattr(pyverbs, "__file__", "?")
-        raise ConfigError(
-            f"pyverbs at {where} lacks the verbs constants {missing} (enum modules found: "
-            f"{[m.__name__ for m in mods]}): this layout of rdma-core's bindings is not known here"
-        )
-    ns = types.SimpleNamespace(
-        Context=device.Context,
-        get_device_list=device.get_device_list,
-        PD=pd.PD,
-        MR=mr.MR,
-        DmaBufMR=getattr(mr, "DmaBufMR", None),
-        CQ=cq.CQ,
-        QP=qp.QP,
-        QPCap=qp.QPCap,
-        QPInitAttr=qp.QPInitAttr,
-        QPAttr=qp.QPAttr,
-        AHAttr=addr.AHAttr,
-        GlobalRoute=addr.GlobalRoute,
-        GID=addr.GID,
-        SendWR=wr.SendWR,
-        SGE=wr.SGE,
-        PyverbsError=pyverbs_error.PyverbsError,
-        PyverbsRDMAError=pyverbs_error.PyverbsRDMAError,
-        e=e,
-    )
-    return ns
-
-
-def load(module: str) -> types.SimpleNamespace:
-    """The verbs namespace from ``module`` ("pyverbs", or a module with the same names)."""
-    if module == "pyverbs":
-        return _load_pyverbs()
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise ConfigError(f"rdma verbs module {module!r} does not import: {exc}") from None
-    missing = [n for n in (*_NAMES, "e") if not hasattr(mod, n)]
-    if missing:
-        raise ConfigError(f"rdma verbs module {module!r} lacks {missing}")
-    return types.SimpleNamespace(**{n: getattr(mod, n) for n in (*_NAMES, "e")})
 
 
 @dataclass(frozen=True)
@@ -209,6 +63,10 @@ def _gid_rank(gid: str, gid_type: int) -> int | None:
     return 0 if v4 else 2 if local else 1
 
 
+class GidChanged(TransportBroken):
+    """This NIC's source GID changed under a connect: connect again with the new one."""
+
+
 @dataclass(frozen=True)
 class Completion:
     wr_id: int
@@ -227,9 +85,11 @@ class Verbs:
         # Completion statuses that are final for the request (access rights or bounds):
         # retrying the same address elsewhere cannot help.
         self.ACCESS_ERRORS = frozenset(
-            int(getattr(e, n))
-            for n in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_LOC_PROT_ERR", "IBV_WC_REM_INV_REQ_ERR")
+            int(getattr(e, n)) for n in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_LOC_PROT_ERR")
         )
+        # The peer's NIC NAKed a request as invalid: on first contact, the two ends of that rail
+        # disagree (path MTU above all), not the rkey; the rail fails, other rails take over.
+        self.INVALID_REQUEST = int(e.IBV_WC_REM_INV_REQ_ERR)
         self.REMOTE_ACCESS = int(
             e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         )
@@ -261,16 +121,8 @@ class Verbs:
         return Nic(self, name, port, gid_index)
 
     def check_memlock(self, minimum: int) -> None:
-        """ConfigError when the locked-memory limit is below ``minimum`` bytes: every MR pins
-        its pages, and a low limit makes registration fail later, region by region."""
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if has_ipc_lock():
-            return  # the kernel does not count pinned pages against the limit then
-        if soft != resource.RLIM_INFINITY and soft < minimum:
-            raise ConfigError(
-                f"locked-memory limit (ulimit -l) is {soft // 1024} KiB, below the "
-                f"{minimum // 1024} KiB the rdma transport needs: {MEMLOCK_FIX}"
-            )
+        """memlock.check_memlock: ConfigError when ``ulimit -l`` is below ``minimum`` bytes."""
+        check_memlock(minimum)
 
 
 class Nic:
@@ -283,7 +135,9 @@ class Nic:
         self.name = name
         self.port = port
         self.gid_index = gid_index
+        self.auto_gid = gid_index < 0  # probed here: probed again when the table changes
         self.lock = threading.Lock()  # post_send and poll are not safe to call concurrently
+        self._gid_lock = threading.Lock()
         self.traffic_class = 0  # the GRH's, on RoCE: DSCP << 2 (the transport sets both)
         self.service_level = 0  # the LRH's, on InfiniBand
         try:
@@ -351,6 +205,17 @@ class Nic:
         """This NIC's best source GID index. InfiniBand routes by LID: index 0, the port GID.
         RoCE: the table's best entry by _gid_rank (index 0 on mlx5 is RoCE v1 link-local, which
         a routed fabric drops, so a fixed index would silently leave RDMA unused)."""
+        best = self._best_gid(table_len)
+        if best is None:
+            self.ctx.close()
+            raise ConfigError(
+                f"RDMA device {self.name} port {self.port} has no usable GID (is an IP address "
+                "configured on its netdev?); or set transport_settings['rdma']['gid_index']",
+                nic=self.name,
+            )
+        return best
+
+    def _best_gid(self, table_len: int) -> int | None:
         if self.link_layer == LINK_LAYER_INFINIBAND:
             return 0
         best: tuple[int, int] | None = None
@@ -363,14 +228,32 @@ class Nic:
             rank = _gid_rank(gid, gid_type)
             if rank is not None and (best is None or rank < best[0]):
                 best = (rank, i)
-        if best is None:
-            self.ctx.close()
-            raise ConfigError(
-                f"RDMA device {self.name} port {self.port} has no usable GID (is an IP address "
-                "configured on its netdev?); or set transport_settings['rdma']['gid_index']",
-                nic=self.name,
+        return None if best is None else best[1]
+
+    def reprobe_gid(self) -> bool:
+        """Probe the GID table again (once the kernel refused our source GID: its address left
+        the netdev, or changed); True when it gave another index or GID, now this NIC's."""
+        if not self.auto_gid:
+            return False
+        with self._gid_lock:
+            try:
+                table_len = int(getattr(self.ctx.query_port(self.port), "gid_tbl_len", 1))
+                best = self._best_gid(table_len)
+                gid = "" if best is None else str(self.ctx.query_gid(self.port, best))
+            except self.lib.PyverbsError:
+                return False
+            if best is None or (best, gid) == (self.gid_index, self.gid):
+                return False
+            log.warning(
+                "rdma NIC %s: GID index %d (%s) is gone or changed; using index %d (%s)",
+                self.name,
+                self.gid_index,
+                self.gid,
+                best,
+                gid,
             )
-        return best[1]
+            self.gid_index, self.gid = best, gid
+            return True
 
     # -- memory -----------------------------------------------------------------------------
     def reg_mr(self, addr: int, length: int, access: int) -> Any:
@@ -413,10 +296,15 @@ class Nic:
         except lib.PyverbsError as exc:
             raise TransportBroken(f"cannot create a QP on {self.name}: {exc}") from None
 
-    def connect(self, qp: Any, remote: QpAddr, psn: int) -> None:
+    def connect(self, qp: Any, remote: QpAddr, psn: int, sent_gid: str | None = None) -> None:
         """RESET -> INIT -> RTR -> RTS, aimed at ``remote``, at the smaller path MTU of the two
-        ends (a packet longer than the peer's MTU is dropped or NAKed as an invalid request)."""
+        ends (a packet longer than the peer's MTU is dropped or NAKed as an invalid request).
+        GidChanged when our GID is no longer ``sent_gid`` (what the peer was told), or the
+        kernel refused our GID index at RTR (EINVAL) and a new probe found another: the caller
+        connects once more, telling the peer the new one."""
         lib, e = self.lib, self.lib.e
+        if sent_gid is not None and sent_gid != self.gid:
+            raise GidChanged(f"the GID of {self.name} changed to {self.gid} since {sent_gid}")
         mtu = min(self.mtu, remote.mtu) if remote.mtu else self.mtu
         try:
             attr = lib.QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
@@ -438,7 +326,16 @@ class Nic:
             attr.ah_attr = lib.AHAttr(
                 dlid=remote.lid, sl=self.service_level, is_global=1, port_num=self.port, gr=gr
             )
-            qp.to_rtr(attr)
+            try:
+                qp.to_rtr(attr)
+            except lib.PyverbsRDMAError as exc:
+                old = self.gid_index
+                if getattr(exc, "error_code", 0) == errno.EINVAL and self.reprobe_gid():
+                    raise GidChanged(
+                        f"{self.name} refused its GID index {old} (EINVAL at RTR: the entry "
+                        f"is gone or changed); re-probed: index {self.gid_index}"
+                    ) from None
+                raise
             attr = lib.QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RTR)
             attr.sq_psn = psn
             attr.timeout = 14
