@@ -34,3 +34,36 @@ def test_a_completion_wait_spins_before_it_sleeps_and_keeps_its_deadline(
     assert not done and 0.3 <= waited < 5 and threads == 1
     assert out["transfer"] == "TransferTimeout" and out["transfer_s"] < 20
     assert not [t for t in out["threads_after"] if "cuda" in t]  # the waiter ended on close
+
+
+def test_host_memory_is_pinned_at_registration_and_connect_not_on_the_first_transfer(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("pinning", tmp_path, MORE)
+    assert out["host_gpu"] == [True, True] and out["gpu_host"] == [True, True]
+    at_setup, on_transfers = out["registers"]
+    assert at_setup == 2  # this process's buffer, the peer's buffer mapped here
+    assert on_transfers == 0
+    assert out["unknown_copy"] == 0  # every copy touched pinned memory
+
+
+def test_memory_the_driver_will_not_pin_stays_registered_and_moves_over_tcp(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    out = run_scenario("pin_refused", tmp_path, MORE)
+    assert out["registered"]
+    for case in ("host_gpu", "gpu_host", "gpu_host_again"):
+        assert out[case] == [True, True], case
+    local, peer = out["pin_warnings"]  # one each, however many publishes and transfers
+    assert "would not pin" in local and "stays registered" in local
+    assert "could not be pinned here" in peer and "tcp" in peer
+
+
+def test_read_only_and_page_sharing_host_regions_are_pinned(fake_lib: Path, tmp_path: Path) -> None:
+    out = run_scenario("host_kinds", tmp_path, MORE)
+    assert out["read_only"]  # pinned with CU_MEMHOSTREGISTER_READ_ONLY, else refused
+    # the second region: refused as a whole (its first page is the first region's), then
+    # its first page skipped as pinned already and the rest pinned
+    assert out["shared_page_registers"] == 4
+    assert out["shared_page"] == [True, True]
+    assert out["unknown_copy"] == 0 and out["warnings"] == []

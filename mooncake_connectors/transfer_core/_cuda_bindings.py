@@ -273,8 +273,10 @@ class BindingsDriver(CudaDriver):
         return int(fd), addr - base
 
     # -- host memory ------------------------------------------------------------------------
-    def host_register(self, addr: int, length: int) -> None:
-        flags = self.cu.CU_MEMHOSTREGISTER_PORTABLE
+    def host_register(self, addr: int, length: int, *, read_only: bool = False) -> None:
+        flags = int(self.cu.CU_MEMHOSTREGISTER_PORTABLE)
+        if read_only:
+            flags |= int(self.cu.CU_MEMHOSTREGISTER_READ_ONLY)
         with self._on(None):
             check("cuMemHostRegister", self.cu.cuMemHostRegister(addr, length, flags))
 

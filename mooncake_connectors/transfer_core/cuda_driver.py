@@ -109,8 +109,11 @@ class CudaDriver(abc.ABC):
         raise GpuError("this CUDA driver exports no dma-buf", call="cuMemGetHandleForAddressRange")
 
     @abc.abstractmethod
-    def host_register(self, addr: int, length: int) -> None:
-        """Pin pageable host memory so copies to and from it run asynchronously."""
+    def host_register(self, addr: int, length: int, *, read_only: bool = False) -> None:
+        """Pin pageable host memory so copies to and from it run asynchronously; ``read_only``
+        for memory the GPU only reads (pages mapped read-only cannot be pinned otherwise). The
+        driver pins whole pages: a range sharing a page with a registration already made fails
+        with CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED (712)."""
 
     @abc.abstractmethod
     def host_unregister(self, addr: int) -> None: ...

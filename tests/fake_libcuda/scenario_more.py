@@ -82,8 +82,97 @@ def waits() -> dict[str, Any]:
     return out
 
 
+def pinning() -> dict[str, Any]:
+    """Host memory is pinned when registered (here) and when the peer is looked up (its
+    buffers): the first transfers make no cuMemHostRegister call."""
+    out: dict[str, Any] = {}
+    p = Pair(("cuda_ipc",))
+    try:
+        remote_gpu = p.remote("real_cuda", MIB, seed=20)
+        remote_host = p.remote("memfd", MIB, seed=21)
+        buf = p.engine.allocate_buffer(MIB)  # local host memory: pinned now
+        gpu = p.local_gpu(0, MIB)
+        p.engine.peer(p.seg)  # "connect": the peer's host buffer is mapped and pinned now
+        before = counters()["host_register"]
+        out["host_gpu"] = round_trips(p, buf.addr, remote_gpu, MIB, seed=22)
+        out["gpu_host"] = round_trips(p, gpu, remote_host, MIB, seed=23)
+        out["registers"] = [before, counters()["host_register"] - before]
+        out["unknown_copy"] = counters()["unknown_copy"]
+    finally:
+        p.close()
+    return out
+
+
+def pin_refused() -> dict[str, Any]:
+    """The driver refuses every pin here: registrations are kept, one warning per buffer, and
+    the bytes move through tcp staging."""
+    seen = Warnings()
+    out: dict[str, Any] = {}
+    p = Pair(("cuda_ipc", "tcp"))
+    try:
+        remote_gpu = p.remote("real_cuda", MIB, seed=24)
+        remote_host = p.remote("memfd", MIB, seed=25)
+        os.environ["FAKE_CUDA_FAIL_HOST_REGISTER"] = "1"
+        buf = p.engine.allocate_buffer(MIB)
+        gpu = p.local_gpu(0, MIB)  # another publish: no second warning for buf
+        p.engine.peer(p.seg)
+        assert p.engine.metadata is not None
+        desc = p.engine.metadata.lookup_segment(p.engine.segment_name)
+        out["registered"] = any(r.addr == buf.addr for r in desc.regions)
+        out["host_gpu"] = round_trips(p, buf.addr, remote_gpu, MIB, seed=26)
+        out["gpu_host"] = round_trips(p, gpu, remote_host, MIB, seed=27)
+        out["gpu_host_again"] = round_trips(p, gpu, remote_host, 4096, seed=28)
+    finally:
+        os.environ.pop("FAKE_CUDA_FAIL_HOST_REGISTER", None)
+        p.close()
+    out["pin_warnings"] = [w for w in seen.seen if "pin" in w]
+    return out
+
+
+def host_kinds() -> dict[str, Any]:
+    """A read-only mapping registered as a source, and two regions sharing a page, each moved
+    to the peer's GPU; the pins are made at registration."""
+    seen = Warnings()
+    out: dict[str, Any] = {}
+    p = Pair(("cuda_ipc",))
+    fd = os.memfd_create("ro-weights")
+    try:
+        remote = p.remote("real_cuda", MIB, seed=31)
+        os.write(fd, pattern(32, MIB).tobytes())
+        ro = mmap.mmap(fd, MIB, prot=mmap.PROT_READ)  # read-only pages (model weights, say)
+        weights = np.frombuffer(ro, dtype=np.uint8)
+        p.engine.register(weights)
+        addr = int(weights.ctypes.data)
+        p.engine.write(p.seg, addr, remote, MIB)
+        out["read_only"] = p.digest(remote, MIB) == sha(addr, MIB)
+        base = np.zeros(4 * 4096, dtype=np.uint8)  # two regions, one page in common
+        start = -int(base.ctypes.data) % 4096
+        a, b = base[start + 100 : start + 6000], base[start + 6000 : start + 9000]
+        a[:], b[:] = pattern(33, a.size), pattern(34, b.size)
+        before = counters()["host_register"]
+        p.engine.register(a)
+        p.engine.register(b)
+        out["shared_page_registers"] = counters()["host_register"] - before
+        for arr, off in ((a, 0), (b, 8192)):
+            p.engine.write(p.seg, int(arr.ctypes.data), remote + off, arr.size)
+        out["shared_page"] = [
+            p.digest(remote, a.size) == sha(int(a.ctypes.data), a.size),
+            p.digest(remote + 8192, b.size) == sha(int(b.ctypes.data), b.size),
+        ]
+        out["unknown_copy"] = counters()["unknown_copy"]
+        del weights
+    finally:
+        p.close()
+        os.close(fd)
+    out["warnings"] = seen.seen
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "waits": waits,
+    "pinning": pinning,
+    "pin_refused": pin_refused,
+    "host_kinds": host_kinds,
 }
 
 
