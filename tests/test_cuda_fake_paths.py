@@ -67,3 +67,9 @@ def test_read_only_and_page_sharing_host_regions_are_pinned(fake_lib: Path, tmp_
     assert out["shared_page_registers"] == 4
     assert out["shared_page"] == [True, True]
     assert out["unknown_copy"] == 0 and out["warnings"] == []
+
+
+def test_a_vmm_import_is_usable_from_every_local_device(fake_lib: Path, tmp_path: Path) -> None:
+    out = run_scenario("vmm_devices", tmp_path, MORE)
+    assert out["dev1"] == [True, True] and out["dev0"] == [True, True]
+    assert out["unknown_copy"] == 0

@@ -168,11 +168,30 @@ def host_kinds() -> dict[str, Any]:
     return out
 
 
+def vmm_devices() -> dict[str, Any]:
+    """The peer's VMM chunk is mapped here on device 0 (its GPU); this process's cuda:1 memory
+    copies to and from it on device 1's stream, which needs access of its own."""
+    out: dict[str, Any] = {}
+    p = Pair(("cuda_ipc",))
+    try:
+        n = mem.GRANULARITY
+        remote = p.remote("real_cuda_vmm", 2 * n, seed=35, chunk=1)
+        local1 = p.local_gpu(1, n)
+        out["dev1"] = round_trips(p, local1, remote, n, seed=36)
+        local0 = p.local_gpu(0, n)
+        out["dev0"] = round_trips(p, local0, remote + 4096, n - 4096, seed=37)
+        out["unknown_copy"] = counters()["unknown_copy"]
+    finally:
+        p.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "waits": waits,
     "pinning": pinning,
     "pin_refused": pin_refused,
     "host_kinds": host_kinds,
+    "vmm_devices": vmm_devices,
 }
 
 
