@@ -73,3 +73,11 @@ def test_a_vmm_import_is_usable_from_every_local_device(fake_lib: Path, tmp_path
     out = run_scenario("vmm_devices", tmp_path, MORE)
     assert out["dev1"] == [True, True] and out["dev0"] == [True, True]
     assert out["unknown_copy"] == 0
+
+
+def test_a_vmm_export_this_process_cannot_open_moves_over_tcp(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    """What `doctor` promises when pidfd_getfd is refused: the engine falls back to tcp."""
+    out = run_scenario("vmm_refused", tmp_path, MORE)
+    assert out["vmm"] == [True, True]

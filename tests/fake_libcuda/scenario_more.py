@@ -186,12 +186,30 @@ def vmm_devices() -> dict[str, Any]:
     return out
 
 
+def vmm_refused() -> dict[str, Any]:
+    """This process cannot open the peer's VMM export (pidfd_getfd refused, an import the
+    driver refuses): the transfer moves through tcp staging instead."""
+    out: dict[str, Any] = {}
+    p = Pair(("cuda_ipc", "tcp"))
+    try:
+        n = mem.GRANULARITY
+        remote = p.remote("real_cuda_vmm", 2 * n, seed=38, chunk=1)
+        local = p.local_gpu(0, n)
+        os.environ["FAKE_CUDA_FAIL_IMPORT"] = "1"
+        out["vmm"] = round_trips(p, local, remote, n, seed=39)
+    finally:
+        os.environ.pop("FAKE_CUDA_FAIL_IMPORT", None)
+        p.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "waits": waits,
     "pinning": pinning,
     "pin_refused": pin_refused,
     "host_kinds": host_kinds,
     "vmm_devices": vmm_devices,
+    "vmm_refused": vmm_refused,
 }
 
 

@@ -218,11 +218,12 @@ class CudaIpcTransport(Transport):
         for s in slices:
             try:
                 stream = self._copy(current, state, s, s.region if fresh else None)
+            except (GpuError, OSError) as exc:  # this path failed (an export that cannot be
+                # opened here, say): TransportBroken, so the engine retries on another one
+                s.complete(TransportBroken(f"GPU copy failed: {exc}", peer=peer.name, path=path))
+                continue
             except MooncakeConnectorsError as exc:
                 s.complete(exc)
-                continue
-            except (GpuError, OSError) as exc:
-                s.complete(TransportBroken(f"GPU copy failed: {exc}", peer=peer.name, path=path))
                 continue
             queued.setdefault(stream, []).append(s)
         drv = self._drv()
