@@ -81,3 +81,29 @@ def test_a_vmm_export_this_process_cannot_open_moves_over_tcp(
     """What `doctor` promises when pidfd_getfd is refused: the engine falls back to tcp."""
     out = run_scenario("vmm_refused", tmp_path, MORE)
     assert out["vmm"] == [True, True]
+
+
+def test_a_refused_dmabuf_export_and_a_refused_fd_duplication_are_typed_errors(
+    fake_lib: Path, tmp_path: Path
+) -> None:
+    from test_cuda_bindings_fake import run_code
+
+    code = (
+        "import os\n"
+        "from mooncake_connectors.errors import GpuError\n"
+        "from mooncake_connectors.transfer_core import cuda_driver\n"
+        "from mooncake_connectors.transfer_core._cuda_bindings import _pidfd_getfd\n"
+        "from fake_libcuda import mem\n"
+        "mem.init()\n"
+        "addr = mem.alloc(0, 1 << 20)\n"
+        "for call in (lambda: cuda_driver.driver().dmabuf_export(addr + 100, 5000),\n"
+        "             lambda: _pidfd_getfd(os.getpid(), 999_999)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except GpuError as exc:\n"
+        "        print(type(exc).__name__, exc.call, exc.message)\n"
+    )
+    lines = run_code(f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n" + code, tmp_path)
+    dmabuf, dup = lines.splitlines()
+    assert dmabuf.startswith("GpuError cuMemGetHandleForAddressRange") and "NOT_SUPPORTED" in dmabuf
+    assert dup.startswith("GpuError") and "cannot duplicate fd 999999" in dup
