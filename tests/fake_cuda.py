@@ -214,7 +214,7 @@ class FakeCuda(CudaDriver):
             m = self._mems.pop(local_base)
         self._release(m)
 
-    def host_register(self, addr: int, length: int) -> None:
+    def host_register(self, addr: int, length: int, *, read_only: bool = False) -> None:
         self.calls.append("cuMemHostRegister")
         if self._find(addr, 1) is not None or self._find(addr + length - 1, 1) is not None:
             raise self._fail("cuMemHostRegister", ALREADY_REGISTERED, "already registered")

@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "tests" / "fake_libcuda" / "scenario.py"
 
 
-def run_scenario(name: str, shm: Path, **switches: str) -> dict[str, Any]:
+def run_scenario(name: str, shm: Path, script: Path = SCENARIO, **switches: str) -> dict[str, Any]:
     path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
     proc = subprocess.run(
-        [sys.executable, str(SCENARIO), name],
+        [sys.executable, str(script), name],
         env={**env(shm, **switches), "PYTHONPATH": path},
         capture_output=True,
         text=True,
@@ -64,9 +64,10 @@ def test_bytes_move_between_processes_through_the_real_bindings(
 
 
 def run_code(code: str, shm: Path, **switches: str) -> str:
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
     proc = subprocess.run(
         [sys.executable, "-c", code],
-        env={**env(shm, **switches), "PYTHONPATH": str(ROOT)},
+        env={**env(shm, **switches), "PYTHONPATH": path},
         capture_output=True,
         text=True,
         timeout=60,

@@ -116,3 +116,30 @@ def test_the_cuda_extra_admits_only_releases_with_cuda_bindings() -> None:
     assert [v in req.specifier for v in ("12.0.0", "12.6.0", "12.6.1", "13.4.4")] == [
         False, False, True, True,
     ]  # fmt: skip
+
+
+def test_pidfd_getfd_verdict_follows_yama_and_the_trial(tmp_path: Path) -> None:
+    yama = tmp_path / "proc/sys/kernel/yama/ptrace_scope"
+    yama.parent.mkdir(parents=True)
+    yama.write_text("1\n")
+    (f,) = doctor.check_pidfd(str(tmp_path), trial=lambda: "EPERM")
+    assert f.verdict == "warn" and "EPERM" in f.message and "ptrace_scope=1" in f.message
+    assert "fall back to tcp staging" in f.message and "VMM" in f.message
+    assert "kernel.yama.ptrace_scope=0" in f.fix
+    yama.write_text("0\n")  # no Yama restriction, still refused: a container's seccomp
+    (f,) = doctor.check_pidfd(str(tmp_path), trial=lambda: "EPERM")
+    assert "SYS_PTRACE" in f.fix
+    (f,) = doctor.check_pidfd(str(tmp_path / "none"), trial=lambda: None)
+    assert f.verdict == "ok" and "no Yama" in f.message and not f.fix
+
+
+def test_the_pidfd_trial_is_a_real_attempt_from_another_process() -> None:
+    answer = doctor.pidfd_trial()  # this host's real answer: permitted, or an errno name
+    assert answer is None or answer.startswith("E"), answer
+    if answer is None:  # permitted here: a descriptor this process does not have is refused
+        assert doctor.pidfd_trial(fd=999_999) == "EBADF"
+
+
+def test_doctor_reports_pidfd_getfd_where_a_gpu_is_usable(fake: FakeCuda, tmp_path: Path) -> None:
+    areas = [f.message for f in doctor.run(root=str(tmp_path)) if "pidfd_getfd" in f.message]
+    assert len(areas) == 1

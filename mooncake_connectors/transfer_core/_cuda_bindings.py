@@ -245,13 +245,23 @@ class BindingsDriver(CudaDriver):
         size = export.size
         base = int(check("cuMemAddressReserve", cu.cuMemAddressReserve(size, 0, 0, 0)))
         check("cuMemMap", cu.cuMemMap(base, size, 0, mem, 0))
-        access = cu.CUmemAccessDesc()
-        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = device
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        check("cuMemSetAccess", cu.cuMemSetAccess(base, size, [access], 1))
+        # Copies run on the stream of the local GPU at the other end, which may be any local
+        # device that reaches this one: each of them is granted access.
+        descs = []
+        for d in self._accessors(device):
+            access = cu.CUmemAccessDesc()
+            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = d
+            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs.append(access)
+        check("cuMemSetAccess", cu.cuMemSetAccess(base, size, descs, len(descs)))
         self._vmm[base] = (size, mem)
         return base
+
+    def _accessors(self, device: int) -> list[int]:
+        """``device`` and every local device with peer access to it."""
+        others = range(self.device_count())
+        return [device] + [d for d in others if d != device and self.can_access_peer(d, device)]
 
     def close_export(self, export: Export, local_base: int) -> None:
         cu = self.cu
@@ -278,8 +288,10 @@ class BindingsDriver(CudaDriver):
         return int(fd), addr - base
 
     # -- host memory ------------------------------------------------------------------------
-    def host_register(self, addr: int, length: int) -> None:
-        flags = self.cu.CU_MEMHOSTREGISTER_PORTABLE
+    def host_register(self, addr: int, length: int, *, read_only: bool = False) -> None:
+        flags = int(self.cu.CU_MEMHOSTREGISTER_PORTABLE)
+        if read_only:
+            flags |= int(self.cu.CU_MEMHOSTREGISTER_READ_ONLY)
         with self._on(None):
             check("cuMemHostRegister", self.cu.cuMemHostRegister(addr, length, flags))
 

@@ -116,8 +116,11 @@ class CudaDriver(abc.ABC):
         raise GpuError("this CUDA driver exports no dma-buf", call="cuMemGetHandleForAddressRange")
 
     @abc.abstractmethod
-    def host_register(self, addr: int, length: int) -> None:
-        """Pin pageable host memory so copies to and from it run asynchronously."""
+    def host_register(self, addr: int, length: int, *, read_only: bool = False) -> None:
+        """Pin pageable host memory so copies to and from it run asynchronously; ``read_only``
+        for memory the GPU only reads (pages mapped read-only cannot be pinned otherwise). The
+        driver pins whole pages: a range sharing a page with a registration already made fails
+        with CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED (712)."""
 
     @abc.abstractmethod
     def host_unregister(self, addr: int) -> None: ...
@@ -164,18 +167,35 @@ class CudaDriver(abc.ABC):
         raise GpuError("this CUDA driver cannot order streams", call="cuStreamWaitEvent")
 
 
+# How wait_event waits (see docs/transfer.md, "GPU memory", completion).
+_SPIN_QUERIES = 64  # queries made, without sleeping, before the first sleep ...
+_SPIN_S = 100e-6  # ... and for at least this long
+_SLEEP_SHARE = 1 / 16  # then each sleep is this share of the time waited so far ...
+_SLEEP_MIN, _SLEEP_MAX = 20e-6, 1e-3  # ... within these bounds
+
+
 def wait_event(drv: CudaDriver, event: int, deadline: float) -> bool:
     """Wait for ``event`` until ``deadline`` (monotonic); False when it passed first.
 
-    cuEventSynchronize has no timeout, so this polls, sleeping a little longer each time: a copy
-    that finishes in microseconds costs one query, a long one a few hundred."""
-    pause = 20e-6
+    The driver has no timed wait (cuEventSynchronize blocks until the GPU gets there, so a
+    thread in it on work that never finishes is lost for good), so this queries: first in a
+    tight loop (a copy of up to ~100 us is seen within a query's time), then sleeping a
+    sixteenth of the time waited so far (a long copy is seen at most ~6% late, plus the OS's
+    sleep granularity), never past the deadline. The calling thread is the only one involved."""
+    if drv.event_done(event):
+        return True
+    start = time.monotonic()
+    queries = 1
     while not drv.event_done(event):
         now = time.monotonic()
         if now >= deadline:
             return False
+        queries += 1
+        waited = now - start
+        if queries < _SPIN_QUERIES or waited < _SPIN_S:
+            continue
+        pause = min(max(waited * _SLEEP_SHARE, _SLEEP_MIN), _SLEEP_MAX)
         time.sleep(min(pause, deadline - now))
-        pause = min(pause * 2, 2e-3)
     return True
 
 

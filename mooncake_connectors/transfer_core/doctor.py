@@ -12,7 +12,9 @@ import dataclasses
 import importlib.metadata
 import os
 import socket
-from collections.abc import Iterable
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -111,6 +113,76 @@ def _describe_gpus(drv: cuda_driver.CudaDriver) -> list[Finding]:
     return out
 
 
+_YAMA = "proc/sys/kernel/yama/ptrace_scope"
+_TRIAL = """
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+try:
+    pidfd = os.pidfd_open(int(sys.argv[1]))
+except OSError as exc:
+    print(errno.errorcode.get(exc.errno, exc.errno)); sys.exit()
+got = libc.syscall(438, pidfd, int(sys.argv[2]), 0)  # pidfd_getfd
+print("ok" if got >= 0 else errno.errorcode.get(ctypes.get_errno(), "?"))
+"""
+
+
+def pidfd_trial(fd: int | None = None) -> str | None:
+    """A child process takes descriptor ``fd`` (default: a pipe opened for it) of this one
+    with pidfd_getfd, as cuda_ipc's importer takes a VMM export's fd from its owner, which is
+    not its descendant (two vLLM workers are siblings: Yama's scope 1 refuses them). None when
+    it could, else why not (an errno name)."""
+    pipe = os.pipe() if fd is None else ()
+    try:
+        target = pipe[0] if pipe else fd
+        proc = subprocess.run(
+            [sys.executable, "-c", _TRIAL, str(os.getpid()), str(target)],
+            capture_output=True, text=True, timeout=_PROBE_TIMEOUT * 5,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the trial did not run: {exc}"
+    finally:
+        for end in pipe:
+            os.close(end)
+    answer = proc.stdout.strip() or f"the trial failed: {proc.stderr.strip()[-200:]}"
+    return None if answer == "ok" else answer
+
+
+def check_pidfd(root: str = "/", trial: Callable[[], str | None] = pidfd_trial) -> list[Finding]:
+    """May cuda_ipc take VMM (expandable-segment) exports' fds from other processes?"""
+    try:
+        scope: int | None = int((Path(root) / _YAMA).read_text().strip())
+    except (OSError, ValueError):
+        scope = None  # no Yama: only the usual same-user rule (and a container's seccomp)
+    yama = "no Yama LSM" if scope is None else f"Yama ptrace_scope={scope}"
+    refused = trial()
+    if refused is None:
+        return [
+            Finding(
+                "gpu",
+                "ok",
+                f"pidfd_getfd of another process permitted ({yama}): cuda_ipc opens VMM "
+                "(expandable-segment) memory of other processes directly",
+            )
+        ]
+    if scope == 3:
+        fix = "ptrace_scope 3 cannot be lowered until reboot; set kernel.yama.ptrace_scope=0 then"
+    elif scope is not None and scope >= 1:
+        fix = "sysctl -w kernel.yama.ptrace_scope=0 (or give the processes CAP_SYS_PTRACE)"
+    else:
+        fix = "in a container: docker run --cap-add SYS_PTRACE (default seccomp refuses it)"
+    return [
+        Finding(
+            "gpu",
+            "warn",
+            f"pidfd_getfd of another process refused ({refused}; {yama}): cuda_ipc cannot "
+            "open VMM (expandable-segment) memory of other processes, so those transfers "
+            "fall back to tcp staging (slower); cudaMalloc memory (legacy CUDA IPC) is "
+            "unaffected",
+            fix,
+        )
+    ]
+
+
 def check_rdma(root: str = "/", settings: RdmaSettings | None = None) -> list[Finding]:
     """Per RDMA NIC what the rdma transport would use, and why not (doctor_rdma.py)."""
     from . import doctor_rdma
@@ -193,7 +265,10 @@ def run(
     probed only when given; ``rdma``: the rdma transport's settings (its defaults if None)."""
     findings: list[Finding] = []
     findings += check_transports()
-    findings += check_gpus()
+    gpus = check_gpus()
+    findings += gpus
+    if not any(f.verdict == "fail" for f in gpus):
+        findings += check_pidfd(root)
     findings += check_rdma(root, rdma)
     findings += rdma_topology(root, rdma)
     findings += check_shm()

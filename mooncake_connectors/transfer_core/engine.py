@@ -429,6 +429,9 @@ class TransferEngine:
         desc = self._descriptor() if name == self._name else self.metadata.lookup_segment(name)
         with self._peer_lock:
             self._peers[name] = _PeerView(desc)
+        if name != self._name:
+            for t in self.transports:
+                t.peer_seen(desc)
         return desc
 
     # -- transfers --------------------------------------------------------------------------

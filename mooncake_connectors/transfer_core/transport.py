@@ -216,6 +216,11 @@ class Transport(abc.ABC):
     def local_changed(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """Local registrations changed (register/unregister); ``epoch`` is the new generation."""
 
+    def peer_seen(self, peer: SegmentDesc) -> None:  # noqa: B027 - optional hook
+        """``peer``'s descriptor was fetched (a first lookup, ``engine.peer()`` ahead of its
+        transfers, a refresh after it changed): prepare what its transfers need, off their
+        path (cuda_ipc pins the peer's host buffers here). Must not raise."""
+
     def abort(self, peer_name: str, lane: int) -> None:  # noqa: B027 - optional hook
         """Tear down a lane whose slice missed its deadline, so no late bytes land."""
 

@@ -28,6 +28,7 @@ COUNTERS = (
     "no_ctx",
     "stale",
     "waits",
+    "host_register",
 )
 
 

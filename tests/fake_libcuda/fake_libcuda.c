@@ -19,7 +19,15 @@
  *     MAPPING_BASE_ADDR/MAPPING_SIZE the mapping, cuMemRetainAllocationHandle the mapping
  *     holding the address;
  *   - copies must touch known memory (device, mapped-with-access, pinned or registered host);
- *   - cuEventQuery answers NOT_READY once after each record;
+ *   - cuEventQuery answers NOT_READY once after each record (FAKE_CUDA_NOT_READY=N: N times;
+ *     -1: the event never completes, and cuEventSynchronize on it blocks for ever, as the
+ *     driver's would);
+ *   - VMM access is per device: a copy touching a mapping runs in its stream's (or the current)
+ *     context, whose device must have been granted access by cuMemSetAccess;
+ *   - cuMemHostRegister pins whole pages: a range sharing a page with a registration already
+ *     made fails with CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED; memory that is not writable
+ *     (checked in /proc/self/maps) is refused without CU_MEMHOSTREGISTER_READ_ONLY, which needs
+ *     the device attribute READ_ONLY_HOST_REGISTER_SUPPORTED (113); each call is counted;
  *   - ordering: the application's own GPU work (cuMemsetD8Async, cuMemcpyHtoDAsync: torch's
  *     kernels stand-ins) completes late, only when something waits for it: its stream is
  *     synchronized, an event recorded after it is queried or synchronized, another stream is
@@ -33,7 +41,9 @@
  * FAKE_CUDA_IGNORE_WAITS=1 (cuStreamWaitEvent orders nothing: a driver that loses the wait),
  * FAKE_CUDA_HIDE=cuA,cuB (cuGetProcAddress does not know them: an older driver), read at start,
  * FAKE_CUDA_ATTRS=103=0,124=1 (device attributes answered otherwise),
- * FAKE_CUDA_PCI_BUS_IDS=BUSID,BUSID (each device's cuDeviceGetPCIBusId).
+ * FAKE_CUDA_PCI_BUS_IDS=BUSID,BUSID (each device's cuDeviceGetPCIBusId),
+ * FAKE_CUDA_FAIL_HOST_REGISTER=1 (cuMemHostRegister -> CUDA_ERROR_OUT_OF_MEMORY),
+ * FAKE_CUDA_FAIL_IMPORT=1 (cuMemImportFromShareableHandle -> CUDA_ERROR_NOT_SUPPORTED).
  * fake_cuda_counters() reports what happened, for the tests' assertions.
  */
 #define _GNU_SOURCE
@@ -78,9 +88,10 @@ struct range {
     uintptr_t base;
     size_t size;
     int device;
-    int access;            /* K_MAP: cuMemSetAccess done */
+    int access;            /* K_MAP: bit d set when cuMemSetAccess granted device d access */
     struct handle *handle; /* K_MAP */
     unsigned long long seq;/* K_DEVICE: file sequence number */
+    uintptr_t user;        /* K_HOST_REG: the pointer registered (base..size: its whole pages) */
     struct range *next;
 };
 
@@ -91,7 +102,7 @@ static struct ctx g_primary[MAX_DEVICES];
 static unsigned long long g_seq;
 static long g_counters[16]; /* see fake_cuda_counters */
 enum { C_CTX_MISMATCH, C_UNKNOWN_COPY, C_NOT_READY, C_IPC_OPEN, C_IPC_CLOSE, C_COPIES, C_NO_CTX,
-       C_STALE, C_WAITS };
+       C_STALE, C_WAITS, C_HOST_REGISTER, C_COUNT };
 
 #define STACK_MAX 32
 static __thread struct ctx *t_stack[STACK_MAX];
@@ -142,12 +153,16 @@ static void drop(struct range *victim) {
 #define DEVICE_KINDS ((1 << K_DEVICE) | (1 << K_IPC) | (1 << K_MAP))
 #define HOST_KINDS ((1 << K_HOST_ALLOC) | (1 << K_HOST_REG))
 
-/* Is all of [p, p+n) memory the driver may copy? (Adjacent VMM mappings are one range.) */
-static int usable(uintptr_t p, size_t n) {
+/* Is all of [p, p+n) memory the driver may copy from a context of ``device``? (Adjacent VMM
+ * mappings are one range; a mapping needs access granted to that device.) */
+static int usable(uintptr_t p, size_t n, int device) {
     for (uintptr_t at = p, end = p + n; at < end;) {
         struct range *r = find(at, DEVICE_KINDS | HOST_KINDS);
-        if (r == NULL || (r->kind == K_MAP && !r->access)) return 0;
-        if (end > r->base + r->size && r->kind != K_MAP) return 0;
+        if (r == NULL || (r->kind == K_MAP && !(r->access & (1 << device)))) return 0;
+        /* a copy may run on into the next VMM mapping, or the next registration of host pages
+         * (regions sharing a page are pinned by two; the real driver may stage such a copy
+         * through its own buffers instead, which is slower but moves the same bytes) */
+        if (end > r->base + r->size && r->kind != K_MAP && r->kind != K_HOST_REG) return 0;
         at = r->base + r->size;
     }
     return 1;
@@ -244,6 +259,7 @@ CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice d) {
     case 102: /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     case 103: /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
     case 41:  /* UNIFIED_ADDRESSING */
+    case 113: /* READ_ONLY_HOST_REGISTER_SUPPORTED */
         *pi = 1; break;
     case 75: *pi = 9; break;  /* COMPUTE_CAPABILITY_MAJOR */
     case 76: *pi = 0; break;  /* COMPUTE_CAPABILITY_MINOR */
@@ -472,16 +488,46 @@ CUresult cuMemFreeHost(void *p) {
     return OK;
 }
 
+/* Is all of [p, p+n) mapped, and writable? 1: writable, 0: mapped but some of it read-only,
+ * -1: some of it not mapped. */
+static int writable(uintptr_t p, size_t n) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (f == NULL) return -1;
+    char line[512], perms[8];
+    uintptr_t at = p, end = p + n;
+    int all_w = 1;
+    while (at < end && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3 || hi <= at) continue;
+        if (lo > at) break; /* a hole */
+        if (perms[1] != 'w') all_w = 0;
+        at = hi;
+    }
+    fclose(f);
+    return at < end ? -1 : all_w;
+}
+
+#define PAGE 4096u
+#define PAGE_DOWN(x) ((x) & ~(uintptr_t)(PAGE - 1))
+#define PAGE_UP(x) PAGE_DOWN((x) + PAGE - 1)
+
 CUresult cuMemHostRegister(void *p, size_t n, unsigned int flags) {
     NEED_CTX();
-    (void)flags;
+    bump(C_HOST_REGISTER);
     if (n == 0) return E_INVALID_VALUE;
+    if (env_on("FAKE_CUDA_FAIL_HOST_REGISTER")) return E_OUT_OF_MEMORY;
+    int w = writable((uintptr_t)p, n), ro_ok = 0;
+    if (w < 0) return E_INVALID_VALUE;
+    if (flags & 0x08) { /* CU_MEMHOSTREGISTER_READ_ONLY */
+        if (cuDeviceGetAttribute(&ro_ok, 113, current()->device) != OK || !ro_ok) return E_NOT_SUPPORTED;
+    } else if (!w) return E_INVALID_VALUE; /* read-only pages need the READ_ONLY flag */
     CUresult rc = OK;
+    uintptr_t lo = PAGE_DOWN((uintptr_t)p), hi = PAGE_UP((uintptr_t)p + n); /* whole pages */
     pthread_mutex_lock(&g_lock);
     for (struct range *r = g_ranges; r; r = r->next)
-        if ((HOST_KINDS & (1 << r->kind)) && (uintptr_t)p < r->base + r->size && r->base < (uintptr_t)p + n)
+        if ((HOST_KINDS & (1 << r->kind)) && lo < PAGE_UP(r->base + r->size) && PAGE_DOWN(r->base) < hi)
             rc = E_ALREADY_REGISTERED;
-    if (rc == OK) add(K_HOST_REG, (uintptr_t)p, n, -1);
+    if (rc == OK) add(K_HOST_REG, lo, hi - lo, -1)->user = (uintptr_t)p;
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
@@ -489,8 +535,9 @@ CUresult cuMemHostRegister(void *p, size_t n, unsigned int flags) {
 CUresult cuMemHostUnregister(void *p) {
     NEED_INIT();
     pthread_mutex_lock(&g_lock);
-    struct range *r = find((uintptr_t)p, 1 << K_HOST_REG);
-    CUresult rc = r && r->base == (uintptr_t)p ? OK : E_NOT_REGISTERED;
+    struct range *r = g_ranges;
+    while (r && !(r->kind == K_HOST_REG && r->user == (uintptr_t)p)) r = r->next;
+    CUresult rc = r ? OK : E_NOT_REGISTERED;
     if (rc == OK) drop(r);
     pthread_mutex_unlock(&g_lock);
     return rc;
@@ -597,14 +644,19 @@ CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const struct access_desc *de
     for (size_t i = 0; i < count; i++)
         if (desc[i].loc_type != 1 || desc[i].loc_id < 0 || desc[i].loc_id >= n_devices()) return E_INVALID_DEVICE;
     CUresult rc = OK;
+    int prot = PROT_NONE, grant = 0, revoke = 0; /* one desc per device: the union of them */
+    for (size_t i = 0; i < count; i++) {
+        int f = desc[i].flags;
+        prot |= f == 3 ? PROT_READ | PROT_WRITE : f == 1 ? PROT_READ : PROT_NONE;
+        if (f) grant |= 1 << desc[i].loc_id; else revoke |= 1 << desc[i].loc_id;
+    }
     pthread_mutex_lock(&g_lock);
     uintptr_t at = (uintptr_t)p, end = at + size;
     while (rc == OK && at < end) { /* every byte of the range must be mapped */
         struct range *m = find(at, 1 << K_MAP);
         if (m == NULL || m->base + m->size > end) { rc = E_INVALID_VALUE; break; }
-        int prot = desc[0].flags == 3 ? PROT_READ | PROT_WRITE : desc[0].flags == 1 ? PROT_READ : PROT_NONE;
-        mprotect((void *)m->base, m->size, prot);
-        m->access = prot != PROT_NONE;
+        m->access = (m->access | grant) & ~revoke;
+        mprotect((void *)m->base, m->size, m->access ? prot | PROT_READ : PROT_NONE);
         at = m->base + m->size;
     }
     pthread_mutex_unlock(&g_lock);
@@ -637,7 +689,7 @@ CUresult cuMemExportToShareableHandle(void *out, unsigned long long v, int type,
 
 CUresult cuMemImportFromShareableHandle(unsigned long long *out, void *os_handle, int type) {
     NEED_INIT();
-    if (type != 1) return E_NOT_SUPPORTED;
+    if (type != 1 || env_on("FAKE_CUDA_FAIL_IMPORT")) return E_NOT_SUPPORTED;
     int fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) { if (fd >= 0) close(fd); return E_INVALID_HANDLE; }
@@ -748,7 +800,7 @@ static void order_flush_ctx(struct ctx *c) {
 
 static CUresult order_enqueue(struct stream *s, uintptr_t dst, const void *src, int fill, size_t n) {
     pthread_mutex_lock(&g_lock);
-    int ok = usable(dst, n);
+    int ok = usable(dst, n, current()->device);
     pthread_mutex_unlock(&g_lock);
     if (!ok) { bump(C_UNKNOWN_COPY); return E_INVALID_VALUE; }
     struct stream *own = order_stream(s);
@@ -824,10 +876,12 @@ static struct ctx *stream_ctx(struct stream *s, CUresult *rc) {
 /* Async copies (the engine's) must touch known memory on both ends; a synchronous host copy
  * may name pageable host memory, as with the real driver. FAKE_CUDA_CORRUPT_COPIES=1 bumps the
  * first byte of every async copy, for tests that a checker notices wrong bytes. */
-static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, int async, int host_dst, int host_src) {
+static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, int async, int host_dst, int host_src,
+                     int device) {
     if (n == 0) return OK;
     pthread_mutex_lock(&g_lock);
-    int ok = (host_dst || usable((uintptr_t)dst, n)) && (host_src || usable((uintptr_t)src, n));
+    int ok = (host_dst || usable((uintptr_t)dst, n, device)) &&
+             (host_src || usable((uintptr_t)src, n, device));
     pthread_mutex_unlock(&g_lock);
     if (!ok) { bump(C_UNKNOWN_COPY); return E_INVALID_VALUE; }
     memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
@@ -839,25 +893,25 @@ static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, int async, int 
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct stream *s) {
     NEED_CTX();
     CUresult rc;
-    stream_ctx(s, &rc);
+    struct ctx *c = stream_ctx(s, &rc);
     if (rc == OK) order_copy(s, (uintptr_t)dst, (uintptr_t)src, n);
-    return rc != OK ? rc : copy(dst, src, n, 1, 0, 0);
+    return rc != OK ? rc : copy(dst, src, n, 1, 0, 0, c->device);
 }
 
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     NEED_CTX();
     order_copy(NULL, (uintptr_t)dst, (uintptr_t)src, n);
-    return copy(dst, src, n, 0, 0, 0);
+    return copy(dst, src, n, 0, 0, 0, current()->device);
 }
 CUresult cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n) {
     NEED_CTX();
     order_copy(NULL, (uintptr_t)dst, (uintptr_t)src, n);
-    return copy(dst, (CUdeviceptr)(uintptr_t)src, n, 0, 0, 1);
+    return copy(dst, (CUdeviceptr)(uintptr_t)src, n, 0, 0, 1, current()->device);
 }
 CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) {
     NEED_CTX();
     order_copy(NULL, (uintptr_t)dst, (uintptr_t)src, n);
-    return copy((CUdeviceptr)(uintptr_t)dst, src, n, 0, 1, 0);
+    return copy((CUdeviceptr)(uintptr_t)dst, src, n, 0, 1, 0, current()->device);
 }
 CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) { return cuMemcpy(dst, src, n); }
 
@@ -865,7 +919,7 @@ CUresult cuMemsetD8(CUdeviceptr dst, unsigned char v, size_t n) {
     NEED_CTX();
     order_copy(NULL, (uintptr_t)dst, (uintptr_t)dst, n);
     pthread_mutex_lock(&g_lock);
-    int ok = usable((uintptr_t)dst, n);
+    int ok = usable((uintptr_t)dst, n, current()->device);
     pthread_mutex_unlock(&g_lock);
     if (!ok) return E_INVALID_VALUE;
     memset((void *)(uintptr_t)dst, v, n);
@@ -895,7 +949,8 @@ CUresult cuEventRecord(struct event *e, struct stream *s) {
     if (rc != OK) return rc;
     if (sc != e->ctx) { bump(C_CTX_MISMATCH); return E_INVALID_HANDLE; }
     order_record(e, s);
-    e->pending = 1;
+    const char *v = getenv("FAKE_CUDA_NOT_READY");
+    __atomic_store_n(&e->pending, v && v[0] ? atoi(v) : 1, __ATOMIC_RELEASE);
     return OK;
 }
 
@@ -903,13 +958,16 @@ CUresult cuEventQuery(struct event *e) {
     NEED_INIT();
     if (!as_event(e)) return E_INVALID_HANDLE;
     if (order_pending(e)) { order_flush(e->on, e->upto); bump(C_NOT_READY); return E_NOT_READY; }
-    if (__atomic_exchange_n(&e->pending, 0, __ATOMIC_ACQ_REL)) { bump(C_NOT_READY); return E_NOT_READY; }
+    int left = __atomic_load_n(&e->pending, __ATOMIC_ACQUIRE);
+    if (left < 0) { bump(C_NOT_READY); return E_NOT_READY; } /* never completes */
+    if (left > 0) { __atomic_fetch_sub(&e->pending, 1, __ATOMIC_ACQ_REL); bump(C_NOT_READY); return E_NOT_READY; }
     return OK;
 }
 
 CUresult cuEventSynchronize(struct event *e) {
     NEED_INIT();
     if (!as_event(e)) return E_INVALID_HANDLE;
+    while (__atomic_load_n(&e->pending, __ATOMIC_ACQUIRE) < 0) pause(); /* never completes */
     if (e->on) order_flush(e->on, e->upto);
     e->pending = 0;
     return OK;
@@ -918,9 +976,9 @@ CUresult cuEventSynchronize(struct event *e) {
 /* -- test hooks (not driver API) ------------------------------------------------------------ */
 /* ctx mismatches, unknown-memory copies, NOT_READY answers, IPC opens, IPC closes, copies,
  * calls needing a context without one, copies that did not wait for the application's work on
- * their bytes (stale), cuStreamWaitEvent calls. */
+ * their bytes (stale), cuStreamWaitEvent calls, cuMemHostRegister calls. */
 int fake_cuda_counters(long *out, int n) {
-    int k = n < 9 ? n : 9;
+    int k = n < C_COUNT ? n : C_COUNT;
     for (int i = 0; i < k; i++) out[i] = __atomic_load_n(&g_counters[i], __ATOMIC_RELAXED);
     return k;
 }

@@ -6,11 +6,13 @@ each export once per peer and keeps it while the peer's descriptor still lists i
 peer's epoch page moves, the descriptor is fetched again and exports it no longer lists are
 closed. Copies are ``cuMemcpyAsync`` on one stream per (peer, device); a batch completes on an
 event recorded after its last copy. Host memory on either end also goes through here when the
-other end is a GPU: local host regions are pinned (``cuMemHostRegister``) on first use, and a
-peer's memfd-backed host region is mapped, as ``shm`` maps it, and pinned.
+other end is a GPU: local host regions are pinned (``cuMemHostRegister``) when registered (see
+``cuda_pins``), and a peer's memfd-backed host regions are mapped, as ``shm`` maps them, and
+pinned when its descriptor is fetched (``engine.peer(name)`` ahead of the first transfer keeps
+that off the transfer's path); one the driver will not pin is left to the other transports.
 
-No driver call happens before the first GPU transfer, so an engine on a host without a GPU starts
-with this transport enabled and simply finds nothing reachable through it.
+The driver is loaded at the first registration (no call before); an engine on a host without a
+GPU starts with this transport enabled and simply finds nothing reachable through it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from ...errors import (
 from ...plugins import hookimpl
 from ...types import Access, LocationKind, TransferOp
 from .. import cuda_driver
-from ..cuda_driver import CudaDriver, MemoryType
+from ..cuda_driver import CudaDriver
 from ..descriptor import CudaExport, RegionDesc, SegmentDesc, host_id
 from ..transport import Slice, Transport, TransportContext
 from .cuda_peers import PeerHandles
+from .cuda_pins import LocalPins
 from .shm import EpochPage, _Mapping, epoch_page_at, peer_epoch
 
 if TYPE_CHECKING:
@@ -59,7 +62,7 @@ class CudaIpcTransport(Transport):
         self._lock = threading.Lock()
         self._peers: dict[str, PeerHandles] = {}
         self._exports: dict[tuple[int, int], list[CudaExport]] = {}  # local region -> exports
-        self._pinned: dict[int, int] = {}  # local host regions we pinned: addr -> length
+        self._pins = LocalPins()  # local host regions, pinned at registration
         self._uuids: dict[str, int] | None = None
         self._denied: str | None = None
         self._pending: queue.SimpleQueue[tuple[int, float, list[Slice]] | None] = (
@@ -90,6 +93,8 @@ class CudaIpcTransport(Transport):
     # -- descriptors ------------------------------------------------------------------------
     def describe_region(self, region: Region) -> Mapping[str, object]:
         if region.device < 0:
+            if self.usable():  # at registration, not inside a transfer's deadline
+                self._pins.pin(self._drv(), region)
             if region.memfd < 0:
                 return {}
             return {  # the same values shm publishes: GPUs of peers copy into these pages
@@ -143,16 +148,7 @@ class CudaIpcTransport(Transport):
         live = {(r.addr, r.length) for r in self.ctx.local.regions()}
         for key in [k for k in self._exports if k not in live]:
             self._release(self._exports.pop(key))
-        starts = {a for a, _ in live}
-        with self._lock:
-            gone = [a for a in self._pinned if a not in starts]
-            for a in gone:
-                del self._pinned[a]
-        for a in gone:
-            try:
-                self._drv().host_unregister(a)
-            except GpuError as exc:  # the memory may be gone already; nothing else to undo
-                log.warning("cuda_ipc: unpinning %#x failed: %s", a, exc)
+        self._pins.forget({a for a, _ in live}, self._drv() if cuda_driver.loaded() else None)
 
     def _release(self, exports: list[CudaExport]) -> None:
         for ex in exports:
@@ -169,8 +165,35 @@ class CudaIpcTransport(Transport):
     def reachable(self, peer: SegmentDesc, region: RegionDesc) -> bool:
         if peer.host_id != host_id() or "cuda_ipc" not in peer.endpoints:
             return False
-        ok = bool(region.cuda_exports) if region.kind is _CUDA else region.memfd >= 0
+        if region.kind is _CUDA:
+            ok = bool(region.cuda_exports)
+        else:  # a peer's host buffer this process could not pin is left to other transports
+            state = self._peers.get(peer.name)
+            refused = state is not None and state.refused(region.memfd, region.memfd_inode)
+            ok = region.memfd >= 0 and not refused
         return ok and self.usable()
+
+    def peer_seen(self, peer: SegmentDesc) -> None:
+        """Map and pin the peer's memfd host buffers now, off the data path."""
+        if self._closed or peer.pid == os.getpid() or peer.host_id != host_id():
+            return
+        if "cuda_ipc" not in peer.endpoints:
+            return
+        host = [r for r in peer.regions if r.kind is _CPU and r.memfd >= 0]
+        if not host or not self.usable():
+            return
+        state = self._state(peer)
+        for r in host:
+            try:
+                state.host_mapping(r.memfd, r.memfd_inode)
+            except GpuError as exc:
+                log.warning(
+                    "cuda_ipc: %d bytes of host memory of %s at %#x could not be pinned here "
+                    "(%s); its transfers with GPUs go through another transport (tcp staging)",
+                    r.length, peer.name, r.addr, exc,
+                )  # fmt: skip
+            except OSError as exc:  # gone since the descriptor was published
+                log.debug("cuda_ipc: cannot map %s's buffer at %#x: %s", peer.name, r.addr, exc)
 
     # -- data path --------------------------------------------------------------------------
     def submit(
@@ -195,11 +218,12 @@ class CudaIpcTransport(Transport):
         for s in slices:
             try:
                 stream = self._copy(current, state, s, s.region if fresh else None)
+            except (GpuError, OSError) as exc:  # this path failed (an export that cannot be
+                # opened here, say): TransportBroken, so the engine retries on another one
+                s.complete(TransportBroken(f"GPU copy failed: {exc}", peer=peer.name, path=path))
+                continue
             except MooncakeConnectorsError as exc:
                 s.complete(exc)
-                continue
-            except (GpuError, OSError) as exc:
-                s.complete(TransportBroken(f"GPU copy failed: {exc}", peer=peer.name, path=path))
                 continue
             queued.setdefault(stream, []).append(s)
         drv = self._drv()
@@ -250,13 +274,7 @@ class CudaIpcTransport(Transport):
     def _current(self, peer: SegmentDesc) -> tuple[SegmentDesc, PeerHandles]:
         """The peer's up-to-date descriptor (re-fetched when its epoch page moved) and our state
         for it; exports the new descriptor no longer lists are closed."""
-        with self._lock:
-            state = self._peers.get(peer.name)
-            if state is None or state.pid != peer.pid:
-                if state is not None:
-                    state.release()
-                state = PeerHandles(peer.pid)
-                self._peers[peer.name] = state
+        state = self._state(peer)
         if peer.pid == os.getpid():
             return peer, state
         if state.epoch_page is None:
@@ -266,6 +284,16 @@ class CudaIpcTransport(Transport):
             listed = {e.handle for r in peer.regions for e in r.cuda_exports}
             state.close_unlisted(listed)
         return peer, state
+
+    def _state(self, peer: SegmentDesc) -> PeerHandles:
+        with self._lock:
+            state = self._peers.get(peer.name)
+            if state is None or state.pid != peer.pid:
+                if state is not None:
+                    state.release()
+                state = PeerHandles(peer.pid)
+                self._peers[peer.name] = state
+            return state
 
     def _copy(
         self, peer: SegmentDesc, state: PeerHandles, s: Slice, region: RegionDesc | None
@@ -286,9 +314,13 @@ class CudaIpcTransport(Transport):
                 peer=peer.name,
                 path=s.path,
             )
+        if s.local_device < 0 and self._pins.refused(self._local_base(s)):
+            raise TransportBroken(
+                "this host memory could not be pinned; left to the other transports",
+                peer=peer.name,
+                path=s.path,
+            )
         drv = self._drv()
-        if s.local_device < 0:
-            self._pin_local(s.local_addr, s.length)
         pieces = self._remote_pointers(state, region, s.remote_addr, s.length)
         device = s.local_device if s.local_device >= 0 else self._device_for(region)
         stream = state.stream(device)
@@ -300,6 +332,10 @@ class CudaIpcTransport(Transport):
             drv.memcpy_async(dst, src, n, stream)
             local += n
         return stream
+
+    def _local_base(self, s: Slice) -> int:
+        region = self.ctx.local.find(s.local_addr, s.length)
+        return -1 if region is None else region.addr
 
     def _remote_pointers(
         self, state: PeerHandles, region: RegionDesc, addr: int, length: int
@@ -335,19 +371,6 @@ class CudaIpcTransport(Transport):
         )
         return self._uuids.get(uuid, 0)
 
-    def _pin_local(self, addr: int, length: int) -> None:
-        region = self.ctx.local.find(addr, length)
-        if region is None or region.addr in self._pinned:
-            return
-        drv = self._drv()
-        with self._lock:
-            if region.addr in self._pinned:
-                return
-            if drv.pointer_info(region.addr).kind is MemoryType.HOST:
-                return  # pinned by its owner already (torch pin_memory, cuMemHostAlloc)
-            drv.host_register(region.addr, region.length)
-            self._pinned[region.addr] = region.length
-
     def abort(self, peer_name: str, lane: int) -> None:
         # Queued copies cannot be recalled: wait (bounded) until they landed, so none lands
         # after the caller hears of the timeout and reuses its buffer.
@@ -375,8 +398,6 @@ class CudaIpcTransport(Transport):
         with self._lock:
             peers = list(self._peers.values())
             self._peers.clear()
-            pinned = list(self._pinned)
-            self._pinned.clear()
         for state in peers:
             try:
                 state.release()
@@ -385,12 +406,7 @@ class CudaIpcTransport(Transport):
         exports, self._exports = list(self._exports.values()), {}
         for ex in exports:
             self._release(ex)
-        if pinned and cuda_driver.loaded():
-            for addr in pinned:
-                try:
-                    self._drv().host_unregister(addr)
-                except GpuError as exc:
-                    log.warning("cuda_ipc: unpinning %#x failed: %s", addr, exc)
+        self._pins.forget((), self._drv() if cuda_driver.loaded() else None)
         self._epoch.release()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection
 
+from ...errors import GpuError
 from .. import cuda_driver
 from ..cuda_driver import Export
 from ..descriptor import CudaExport
@@ -23,6 +24,7 @@ class PeerHandles:
         self.lock = threading.Lock()
         self.imports: dict[bytes, tuple[Export, int]] = {}  # handle -> (export, local base)
         self.host: dict[tuple[int, int], _Mapping] = {}  # (memfd, inode) -> mapping, pinned
+        self.unpinnable: set[tuple[int, int]] = set()  # buffers the driver would not pin here
         self.streams: dict[int, int] = {}  # local device -> stream
         self.epoch_page: _Mapping | None = None
 
@@ -37,19 +39,27 @@ class PeerHandles:
             return got[1]
 
     def host_mapping(self, memfd: int, inode: int) -> int:
-        """The base of the peer's memfd buffer mapped here and pinned (once)."""
+        """The base of the peer's memfd buffer mapped here and pinned (once: GpuError again,
+        without asking the driver, for a buffer it would not pin)."""
         key = (memfd, inode)
         with self.lock:
             m = self.host.get(key)
             if m is None:
+                if key in self.unpinnable:
+                    raise GpuError("the CUDA driver would not pin this buffer here")
                 m = _Mapping(self.pid, memfd, inode)
                 try:
                     cuda_driver.driver().host_register(m.base, m.size)
-                except BaseException:
+                except BaseException as exc:
                     m.close()
+                    if isinstance(exc, GpuError):
+                        self.unpinnable.add(key)
                     raise
                 self.host[key] = m
             return m.base
+
+    def refused(self, memfd: int, inode: int) -> bool:
+        return (memfd, inode) in self.unpinnable
 
     def stream(self, device: int) -> int:
         with self.lock:
