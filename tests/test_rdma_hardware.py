@@ -77,7 +77,7 @@ def test_a_large_transfer_is_sprayed_over_every_active_nic(link: Any) -> None:
     buf = np.zeros(SIZE, dtype=np.uint8)
     e.register(buf)
     try:
-        buf[:] = pattern(SIZE, 7)
+        buf[:] = pattern(7, SIZE)
         want = _sha(buf)
         e.write(peer.segment, int(buf.ctypes.data), addr, SIZE)
         buf[:] = 0
