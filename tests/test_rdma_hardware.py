@@ -67,29 +67,36 @@ def test_write_read_back_over_real_nics(link: Any, size: int) -> None:
     assert sum(v["carried"] for v in t.rail_stats(peer.segment).values()) > 0
 
 
-def test_a_large_transfer_is_sprayed_over_every_active_nic(link: Any) -> None:
-    """With two or more active NICs on this host, a 16 MiB write and read back use more than one
-    rail (local NIC > remote NIC), bytes intact; one NIC: nothing to spray over."""
-    e, peer, addr = link
-    t = e.transports[0]
-    assert isinstance(t, RdmaTransport)
-    before = {k: v["carried"] for k, v in t.rail_stats(peer.segment).items()}
+def test_a_large_transfer_is_sprayed_over_every_active_nic() -> None:
+    """With two or more active NICs on this host, the first 16 MiB write between a fresh pair
+    (no rail measured yet, so none preferred) uses rails from more than one local NIC, and it
+    reads back intact; with one NIC there is nothing to spray over."""
+    pytest.importorskip("pyverbs", reason="pyverbs (python3-pyverbs) does not import here")
+    srv = MetadataHTTPServer("127.0.0.1", 0).start()
+    peer = Peer(metadata=srv.url, transports=["rdma"])
+    e = TransferEngine(EngineConfig(metadata=srv.url, transports=("rdma",), timeout=20)).start()
     buf = np.zeros(SIZE, dtype=np.uint8)
-    e.register(buf)
     try:
+        addr = peer.call("alloc", kind="numpy", size=SIZE, seed=1)["addr"]
+        e.register(buf)
         buf[:] = pattern(7, SIZE)
         want = _sha(buf)
         e.write(peer.segment, int(buf.ctypes.data), addr, SIZE)
+        t = e.transports[0]
+        assert isinstance(t, RdmaTransport)
+        stats = t.rail_stats(peer.segment)
         buf[:] = 0
         e.read(peer.segment, int(buf.ctypes.data), addr, SIZE)
         assert _sha(buf) == want
-    finally:
         e.unregister(int(buf.ctypes.data))
-    stats = t.rail_stats(peer.segment)
-    used = [k for k, v in stats.items() if v["carried"] > before.get(k, 0.0)]
+    finally:
+        e.close()
+        peer.close()
+        srv.stop()
     if len({k.split(">")[0] for k in stats}) < 2:
         pytest.skip(f"one active NIC here ({sorted(stats)}): nothing to spray over")
-    assert len({k.split(">")[0] for k in used}) >= 2, stats
+    used = {k.split(">")[0] for k, v in stats.items() if v["carried"] > 0}
+    assert len(used) >= 2, stats
 
 
 def _doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
