@@ -4,6 +4,7 @@ run as a user runs it: real engines on the tiny model, one short round."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +34,26 @@ def test_ours_beside_nixl(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     nixl = next(v for k, v in result["results"].items() if "NixlConnector" in k)["300"]
     ours = next(v for k, v in result["results"].items() if "MooncakeConnectorsPD" in k)["300"]
-    for system in (nixl, ours):
+    for name, system in (("nixl", nixl), ("ours", ours)):
         assert system["tokens_identical"], system  # the KV came over and decoding used it
-        assert system["transfers_logged"] >= 2 and system["mb"] > 0  # each read was logged
+        # each read was logged (a miss here names the engines' log lines that say why)
+        assert system["transfers_logged"] >= 2 and system["mb"] > 0, (
+            name,
+            system,
+            _log_lines(tmp_path / "work"),
+        )
         assert len(system["decode_leg_ms_all"]) == 2
     assert nixl["mb"] == pytest.approx(ours["mb"], rel=0.01)  # the same KV both ways
     for field in ("decode_leg", "ttft", "transfer"):
         assert result[f"{field}_ratio_ours_over_nixl"]["300"] > 0
+
+
+def _log_lines(work: Path) -> dict[str, list[str]]:
+    """The engines' lines about KV transfers, failures and recomputation, per log file."""
+    pick = re.compile(r"KV Transfer metrics|recompute|[Ff]ail|[Ee]rror|[Tt]imeout")
+    return {
+        p.name: [line for line in p.read_text(errors="replace").splitlines() if pick.search(line)][
+            -40:
+        ]
+        for p in sorted(work.rglob("*.log"))
+    }

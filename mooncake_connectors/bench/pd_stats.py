@@ -30,7 +30,7 @@ class TransferLog:
         hits = [(int(m[1]), float(m[2]), float(m[3])) for m in found if m]
         return hits
 
-    def wait(self, requests: int, timeout: float = 30.0) -> tuple[float, float, int]:
+    def wait(self, requests: int, timeout: float = 60.0) -> tuple[float, float, int]:
         """(ms per request, MB per request, transfers) once ``requests`` transfers are logged."""
         end = time.monotonic() + timeout
         while True:
