@@ -104,17 +104,3 @@ def test_with_the_switch_sglang_plans_with_ours(
     ours_ratio = Placement(p2l, n, ranks).balance(load)
     theirs_ratio = Placement(theirs[0], n, ranks).balance(load)
     assert bool((ours_ratio <= theirs_ratio + 1e-9).all()), (ours_ratio, theirs_ratio)
-
-
-def test_the_elasticity_aware_algorithms_stay_sglangs() -> None:
-    """They plan around SGLang's live ranks (ElasticEPStateManager); the hook passes them on."""
-    counts = _load(6, 1, 1, 8)
-    seen: list[tuple[Any, ...]] = []
-
-    def original(*args: Any, **kwargs: Any) -> str:
-        seen.append(args)
-        return "sglang's"
-
-    for algorithm in (EplbAlgorithm.elasticity_aware, EplbAlgorithm.elasticity_aware_hierarchical):
-        assert eplb._around(original, counts, 8, 2, None, 1, algorithm) == "sglang's"
-    assert len(seen) == 2
