@@ -8,7 +8,9 @@ baseline is that function itself; ours is the hook our SGLang plugin registers a
 (``adapters.sglang.eplb._around``), handed SGLang's function as the original. Both start from
 SGLang's trivial layout (``init_trivial``: slot ``p`` holds expert ``p % N``) and chain their own
 maps over the same drifting Zipf loads as the vLLM row (``moe_vllm._loads``). SGLang's algorithm
-gets no previous map (its signature has none), so each window is planned afresh by both.
+takes no previous map (its signature has none) and plans each window afresh; our hook reads the
+map being served from SGLang's global ``ExpertLocationMetadata`` (set here before each call, as
+SGLang holds it while serving) and keeps the new plan close to it.
 
 Rearranged bytes: slots whose new expert was on no slot of that rank before (the weights
 SGLang's ``ExpertLocationUpdater`` sends between ranks; moves within a rank are local copies),
@@ -62,6 +64,8 @@ def sglang_policy_rows(
     if isinstance(adapter, str):
         return {"available": False, "reason": adapter}
     algorithms = importlib.import_module("sglang.srt.eplb.eplb_algorithms")
+    location = importlib.import_module("sglang.srt.eplb.expert_location")
+    to_sglang = importlib.import_module("mooncake_connectors.adapters.moe").to_sglang
     sglang_rebalance = algorithms.rebalance_experts
     loads = _loads(seed, windows, layers, experts)
     rows = []
@@ -78,17 +82,26 @@ def sglang_policy_rows(
             "windows": windows,
         }
 
-        def theirs(**kw: Any) -> Any:
+        def theirs(current: torch.Tensor, **kw: Any) -> Any:
             return sglang_rebalance(**kw)
 
-        def ours(**kw: Any) -> Any:
-            return adapter._around(sglang_rebalance, **kw)
+        def ours(current: torch.Tensor, **kw: Any) -> Any:
+            ranks = kw["num_physical_experts"] // kw["num_local_physical_experts"]
+            served = to_sglang(Placement(current, experts, ranks))
+            location.set_global_expert_location_metadata(
+                location.ExpertLocationMetadata(**served.metadata_kwargs()), allow_overwrite=True
+            )
+            try:
+                return adapter._around(sglang_rebalance, **kw)
+            finally:
+                location.set_global_expert_location_metadata(None, allow_overwrite=True)
 
         for name, policy in (("sglang_default", theirs), ("ours", ours)):
             current = initial.clone()
             ratios, moves = [], 0
             for load in loads:
                 new = policy(
+                    current,
                     tokens_per_expert=load.unsqueeze(0),  # one recorded window [1, L, N]
                     num_physical_experts=num_physical,
                     num_local_physical_experts=num_physical // num_ranks,

@@ -29,6 +29,7 @@ from sglang.srt.eplb import eplb_algorithms
 from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from ...moe.align import align_to_previous
 from ...moe.elastic import plan_elastic
 from ...moe.placement import Placement
 from ...moe.planner import plan_placement
@@ -61,6 +62,7 @@ def rebalance(
     num_groups: int | None,
     num_nodes: int,
     hierarchical: bool,
+    previous: Placement | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SGLang's return triple from our plan: ``physical_to_logical_map [L, P]``,
     ``logical_to_all_physical_map [L, N, X]`` (``-1`` padded; SGLang pads it to ``P``) and the
@@ -68,6 +70,9 @@ def rebalance(
 
     tokens_per_expert: ``[W, L, N]`` recorded windows (summed, as SGLang's DeepSeek does) or
         ``[L, N]``.
+    previous: the placement SGLang serves now; when of the same shape, the plan's ranks are
+        renamed and its slots kept to match it (:func:`align_to_previous`), so fewer expert
+        weights cross ranks in SGLang's ``ExpertLocationUpdater``.
     """
     load = tokens_per_expert.sum(dim=0) if tokens_per_expert.dim() == 3 else tokens_per_expert
     groups = num_groups or 1
@@ -79,6 +84,10 @@ def rebalance(
         num_nodes=num_nodes if use_nodes else 1,
         num_groups=groups if use_nodes else 1,
     )
+    if previous is not None:
+        placement = align_to_previous(
+            placement, previous.physical_to_logical, num_nodes=num_nodes if use_nodes else 1
+        )
     return _triple(placement)
 
 
@@ -142,6 +151,7 @@ def rebalance_elastic(
             num_groups,
             num_nodes,
             hierarchical,
+            previous,
         )
     load = tokens_per_expert.sum(dim=0) if tokens_per_expert.dim() == 3 else tokens_per_expert
     load = load.detach().cpu().double()
@@ -180,13 +190,15 @@ def _around(original: Any, *args: Any, **kwargs: Any) -> Any:
         )
     if algorithm not in _OURS:
         return original(*args, **kwargs)
+    physical, local = call["num_physical_experts"], call["num_local_physical_experts"]
     return rebalance(
         call["tokens_per_expert"],
-        call["num_physical_experts"],
-        call["num_local_physical_experts"],
+        physical,
+        local,
         call["num_groups"],
         call["num_nodes"],
         algorithm in _HIERARCHICAL,
+        running_placement(physical // local),
     )
 
 
