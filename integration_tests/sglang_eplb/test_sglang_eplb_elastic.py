@@ -169,3 +169,18 @@ def test_all_ranks_live_is_a_plain_plan_and_too_few_live_slots_are_refused(
     _serve(to_sglang(plan_placement(counts.sum(0), PHYSICAL, RANKS)))
     with pytest.raises(ValueError, match="cannot hold 32 experts"):
         _call(EplbAlgorithm.elasticity_aware, counts)
+
+
+def test_a_served_map_of_another_size_is_not_used(
+    sglang_state: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an elastic scale SGLang's served map can have another slot count (here 7 x 6 =
+    42 slots, which 8 ranks cannot split); the hook then plans afresh instead of failing."""
+    counts = _load(14)
+    _serve(to_sglang(plan_placement(counts.sum(0), 7 * LOCAL, 7)))
+    _kill(DEAD)
+    monkeypatch.setenv(EPLB_POLICY_ENV, "mooncake")
+    plugin.register()
+    HookRegistry.apply_hooks()
+    _check_served_by_live_ranks(_call(EplbAlgorithm.elasticity_aware, counts), DEAD)
+    assert tuple(_call(EplbAlgorithm.deepseek, counts)[0].shape) == (LAYERS, PHYSICAL)

@@ -110,11 +110,11 @@ def sglang_active_ranks() -> torch.Tensor:
     return out
 
 
-def running_placement(num_ranks: int) -> Placement | None:
+def running_placement(num_ranks: int, num_physical: int) -> Placement | None:
     """The expert locations SGLang serves now (its global ``ExpertLocationMetadata``), or None
-    before SGLang has set them."""
+    before SGLang has set them or when they have another slot count (an elastic scale)."""
     meta = get_global_expert_location_metadata()
-    if meta is None:
+    if meta is None or int(meta.physical_to_logical_map.shape[-1]) != num_physical:
         return None
     return from_sglang(
         meta.physical_to_logical_map.cpu(),
@@ -186,7 +186,7 @@ def _around(original: Any, *args: Any, **kwargs: Any) -> Any:
             call["num_nodes"],
             algorithm in _HIERARCHICAL,
             sglang_active_ranks(),
-            running_placement(physical // local),
+            running_placement(physical // local, physical),
         )
     if algorithm not in _OURS:
         return original(*args, **kwargs)
@@ -198,7 +198,7 @@ def _around(original: Any, *args: Any, **kwargs: Any) -> Any:
         call["num_groups"],
         call["num_nodes"],
         algorithm in _HIERARCHICAL,
-        running_placement(physical // local),
+        running_placement(physical // local, physical),
     )
 
 
