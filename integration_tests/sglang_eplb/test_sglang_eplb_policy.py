@@ -106,15 +106,37 @@ def test_with_the_switch_sglang_plans_with_ours(
     assert bool((ours_ratio <= theirs_ratio + 1e-9).all()), (ours_ratio, theirs_ratio)
 
 
-def test_the_elasticity_aware_algorithms_stay_sglangs() -> None:
-    """They plan around SGLang's live ranks (ElasticEPStateManager); the hook passes them on."""
-    counts = _load(6, 1, 1, 8)
-    seen: list[tuple[Any, ...]] = []
+def test_ours_keeps_the_served_map_where_it_can(
+    hooks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SGLang's global ExpertLocationMetadata set (the map being served), the new plan is
+    renamed onto it: same balance, fewer expert weights across ranks than a fresh plan."""
+    from sglang.srt.eplb import expert_location
 
-    def original(*args: Any, **kwargs: Any) -> str:
-        seen.append(args)
-        return "sglang's"
+    from mooncake_connectors.adapters.moe import to_sglang
+    from mooncake_connectors.moe.align import cross_rank_moves
+    from mooncake_connectors.moe.planner import plan_placement
 
-    for algorithm in (EplbAlgorithm.elasticity_aware, EplbAlgorithm.elasticity_aware_hierarchical):
-        assert eplb._around(original, counts, 8, 2, None, 1, algorithm) == "sglang's"
-    assert len(seen) == 2
+    n, physical, local, ranks = 32, 48, 6, 8
+    served = plan_placement(_load(7, 1, 2, n).sum(0), physical, ranks)
+    counts = 0.5 * _load(7, 1, 2, n) + 0.5 * _load(8, 1, 2, n)
+    fresh = eplb.rebalance(counts, physical, local, 4, 1, False)[0]
+    monkeypatch.setenv(EPLB_POLICY_ENV, "mooncake")
+    plugin.register()
+    HookRegistry.apply_hooks()
+    expert_location.set_global_expert_location_metadata(
+        expert_location.ExpertLocationMetadata(**to_sglang(served).metadata_kwargs()),
+        allow_overwrite=True,
+    )
+    try:
+        aligned = eplb_algorithms.rebalance_experts(
+            counts, physical, local, 4, 1, EplbAlgorithm.deepseek
+        )[0]
+    finally:
+        expert_location.set_global_expert_location_metadata(None, allow_overwrite=True)
+    load = counts.sum(0)
+    assert torch.allclose(
+        Placement(aligned, n, ranks).balance(load), Placement(fresh, n, ranks).balance(load)
+    )
+    old = served.physical_to_logical
+    assert cross_rank_moves(old, aligned, ranks) < cross_rank_moves(old, fresh, ranks)

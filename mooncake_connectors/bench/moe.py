@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from ..moe.elastic import plan_elastic
 from ..moe.placement import Placement
 from ..moe.planner import plan_placement
 from ..moe.router import ExpertRouter, RoutingMode
+from .moe_sglang import DEFAULT_CASES, sglang_policy_rows
 from .moe_vllm import vllm_policy_rows
 from .moe_workload import expert_load, no_replication, zipf_gate_scores
 
@@ -181,16 +183,47 @@ def _balance(seed: int, reference: ModuleType | None) -> list[dict[str, Any]]:
     return rows
 
 
-def run_moe_benchmark(*, rounds: int = 100, seed: int = 0, threads: int = 0) -> dict[str, Any]:
+def parse_cases(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """``"32x288x1x8,..."`` -> ``((32, 288, 1, 8), ...)`` (ranks, slots, nodes, groups)."""
+    cases = []
+    for item in (x.strip() for x in text.split(",")):
+        parts = item.split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ConfigError(f"case {item!r} is not RANKSxSLOTSxNODESxGROUPS (positive integers)")
+        ranks, slots, nodes, groups = (int(p) for p in parts)
+        if slots % ranks or ranks % nodes:
+            raise ConfigError(f"case {item!r}: slots must divide over ranks, ranks over nodes")
+        cases.append((ranks, slots, nodes, groups))
+    return tuple(cases)
+
+
+SECTIONS = ("routing", "placement", "balance", "vllm", "sglang")
+
+
+def run_moe_benchmark(
+    *,
+    rounds: int = 100,
+    seed: int = 0,
+    threads: int = 0,
+    only: tuple[str, ...] = SECTIONS,
+    engine_experts: int = 256,
+    engine_cases: tuple[tuple[int, int, int, int], ...] = DEFAULT_CASES,
+) -> dict[str, Any]:
     """All MoE measurements as one JSON-able dict (times are medians).
 
     threads: torch intra-op threads for the run (0 keeps torch's default). On a small shared
     machine one thread gives steadier numbers: a parallel op waits for its slowest thread.
+    only: the sections to run (of ``SECTIONS``).
+    engine_experts, engine_cases: logical experts and (ranks, slots, nodes, groups) of the SGLang
+    row (smaller ones for a quick check).
     """
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown bench moe sections {unknown}; choose from {list(SECTIONS)}")
     if threads:
         torch.set_num_threads(threads)
     reference = load_reference()
-    return {
+    out: dict[str, Any] = {
         "machine": {
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
@@ -200,8 +233,17 @@ def run_moe_benchmark(*, rounds: int = 100, seed: int = 0, threads: int = 0) -> 
             "platform": platform.platform(),
         },
         "deepseek_reference": str(_REFERENCE) if reference is not None else None,
-        "routing": _routing(rounds, seed),
-        "placement": _placement(seed, reference),
-        "balance_max_over_mean": _balance(seed, reference),
-        "vllm_eplb_policy": vllm_policy_rows(seed),
     }
+    if "routing" in only:
+        out["routing"] = _routing(rounds, seed)
+    if "placement" in only:
+        out["placement"] = _placement(seed, reference)
+    if "balance" in only:
+        out["balance_max_over_mean"] = _balance(seed, reference)
+    if "vllm" in only:
+        out["vllm_eplb_policy"] = vllm_policy_rows(seed)
+    if "sglang" in only:
+        out["sglang_eplb_policy"] = sglang_policy_rows(
+            seed, experts=engine_experts, cases=engine_cases
+        )
+    return out

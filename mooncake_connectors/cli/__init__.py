@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from . import bench, doctor, p2p, serve, tools  # noqa: F401  (their commands register on app)
+from . import bench, bench_moe, doctor, p2p, serve, tools  # noqa: F401  (their commands register on app)
 from .common import app
 
 

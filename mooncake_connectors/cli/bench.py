@@ -84,25 +84,6 @@ def bench_transfer(
     emit(result.get("transfer", result) if len(result) == 1 else result, output)
 
 
-@bench_app.command("moe")
-def bench_moe(
-    rounds: Annotated[
-        int, typer.Option(min=1, max=100000, help="Routing repetitions; median reported.")
-    ] = 100,
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic Zipf loads.")] = 0,
-    threads: Annotated[
-        int, typer.Option(min=0, max=1024, help="torch intra-op threads (0: torch's default).")
-    ] = 0,
-    output: Output = None,
-    verbose: Verbose = 0,
-) -> None:
-    """MoE router: routing µs vs plain indexing, placement ms, balance vs DeepSeek's EPLB."""
-    setup_logging(verbose)
-    from ..bench.moe import run_moe_benchmark
-
-    emit(run_moe_benchmark(rounds=rounds, seed=seed, threads=threads), output)
-
-
 @bench_app.command("vllm-pd")
 def bench_vllm_pd(
     lengths: Lengths = "512,1024,2048,4096,8192",

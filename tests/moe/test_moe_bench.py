@@ -33,3 +33,9 @@ def test_bench_moe_command_prints_the_measurements() -> None:
         assert row["available"] is False and "vLLM not importable" in row["reason"]
     else:
         assert row["available"] is True and len(row["cases"]) == 3
+    sglang_row = data["sglang_eplb_policy"]
+    if importlib.util.find_spec("sglang") is None:
+        assert sglang_row["available"] is False
+        assert "SGLang not importable" in sglang_row["reason"]
+    else:  # asserted in integration_tests/sglang_eplb
+        assert sglang_row["available"] is True and len(sglang_row["cases"]) == 3

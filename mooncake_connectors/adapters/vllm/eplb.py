@@ -62,6 +62,11 @@ def rebalance(
 
     Like vLLM's default, the plan is hierarchical (expert groups kept on nodes) when the groups
     divide over the nodes, global otherwise; ``old`` is the map running now.
+
+    Elastic EP scale-down (``ElasticEPScalingExecutor.perform_scale_down_eplb_reshuffle``) calls
+    with fewer ranks and replicas than ``old`` holds and keeps ranks ``0 .. num_ranks - 1`` at
+    their index (its ``rank_mapping`` sends the rest to -1), with the same slots per rank; the
+    plan is then aligned to those surviving ranks' part of ``old``.
     """
     hierarchical = num_nodes > 1 and num_groups % num_nodes == 0
     nodes = num_nodes if hierarchical else 1
@@ -73,6 +78,12 @@ def rebalance(
         num_groups=num_groups if hierarchical else 1,
     )
     if old is not None:
+        if (
+            old.dim() == 2
+            and old.shape[1] > num_replicas
+            and old.shape[1] % (num_replicas // num_ranks) == 0
+        ):
+            old = old[:, :num_replicas]  # the surviving ranks of a scale-down
         plan = align_to_previous(plan, old, num_nodes=nodes)
     return plan.physical_to_logical.clone()
 
