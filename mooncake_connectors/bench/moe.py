@@ -232,7 +232,7 @@ def run_moe_benchmark(
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
-        "deepseek_reference": str(_REFERENCE) if reference is not None else None,
+        "deepseek_reference": "benchmarks/eplb_reference.py" if reference is not None else None,
     }
     if "routing" in only:
         out["routing"] = _routing(rounds, seed)
