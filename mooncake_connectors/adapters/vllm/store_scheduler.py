@@ -38,6 +38,7 @@ from .store_events import StoreEventLog
 from .store_inputs import key_inputs, key_token_ids
 from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
 from .store_lookup import PENDING, Lookups
+from .store_step_saves import step_saves
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -349,41 +350,13 @@ class StoreScheduler:
     # -- both --------------------------------------------------------------------------------
     def build_connector_meta(self, out: object = None) -> StoreConnectorMetadata:
         if self._requests and out is not None:
-            self._step_saves(out)
+            step_saves(self, out)
         meta = StoreConnectorMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = [], []
         preempted = getattr(out, "preempted_req_ids", None)
         if preempted:
             meta.preempted = [r for r in preempted if self._handed.get(r, 0) > 0]
         return meta
-
-    def _step_saves(self, out: Any) -> None:
-        """Hand over the full prompt blocks this step completes (``save_during_prefill``)."""
-        state = getattr(out, "kv_connector_block_state", None)
-        if state is None or self.store.ready() is None:
-            return
-        bs = self.block_size
-        for rid, scheduled in out.num_scheduled_tokens.items():
-            request = self._requests.get(rid)
-            if request is None:
-                continue
-            # build_connector_meta runs before vLLM adds this step's tokens to the request
-            computed = min(request.num_computed_tokens + scheduled, request.num_prompt_tokens)
-            done, first = computed // bs, self._handed.get(rid, 0)
-            if done <= first:
-                continue
-            hashes = self._prompt_hashes(request)
-            groups = state.get_block_ids(rid)
-            if not groups:
-                continue
-            done = min(done, len(hashes), len(groups[0]))
-            if done <= first:
-                continue
-            spec = self._save_spec(request, list(groups[0][first:done]), hashes[first:done], first)
-            spec.step = True
-            spec.parent = hashes[first - 1] if first else None
-            self._saves.append(spec)
-            self._handed[rid] = done
 
     def request_finished(
         self, request: Request, block_ids: list[int] | tuple[list[int], ...]
