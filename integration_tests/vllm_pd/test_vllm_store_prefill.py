@@ -42,7 +42,7 @@ from mooncake_connectors.store import StoreClient
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CHUNK = str(BLOCK)  # one block per prefill step
-LONG_DECODE = 1500  # A keeps decoding this long after its prefill
+LONG_DECODE = 4000  # A keeps decoding this long after its prefill (B is answered meanwhile)
 ABORT_LEN = 9000  # the aborted prompt (A and B take prompts up to 10k tokens)
 
 
@@ -135,11 +135,15 @@ def test_blocks_are_in_the_store_while_the_request_runs_and_a_second_engine_load
 ) -> None:
     p = random_prompt(500, 1500)  # 11 full blocks, 12 prefill steps on A
     blocks = len(cluster.object_keys(p)) // len(LAYERS)
-    a = _Stream(cluster.a.url, p, LONG_DECODE)
-    assert a.first.wait(120) and a.error is None, f"A gave no first token: {a.error}"
-    with cluster.client() as c:  # every prompt block is in the store before A's request ends
+    with cluster.client() as c:  # connected first: A's decoding may take only seconds
+        a = _Stream(cluster.a.url, p, LONG_DECODE)
+        assert a.first.wait(120) and a.error is None, f"A gave no first token: {a.error}"
+        # every prompt block is in the store before A's request ends
         wait_until(lambda: all(all(b) for b in _held(c, cluster, p)), 30, "A's prompt blocks")
-    assert not a.done.is_set(), "A's request ended before its blocks were found in the store"
+    assert not a.done.is_set(), (
+        f"A's request ended ({len(a.ids)} tokens, error {a.error!r}) before its blocks were "
+        "found in the store"
+    )
     before = cluster.b.metric(HITS)
     answer = completion(cluster.b.url, p, 16)
     hits = cluster.b.metric(HITS) - before
