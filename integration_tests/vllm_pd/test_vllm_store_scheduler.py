@@ -101,7 +101,15 @@ KCC = KVCacheConfig(
 def make_scheduler(
     model: Path, master: str, role: str = "kv_both", caching: bool = True, **extra: Any
 ) -> Scheduler:
-    base = {"master": master, "timeout": 3.0, "load_async": True, "lookup_async": False}
+    # save_during_prefill off: these tests follow the finish-time save (test_vllm_store_prefill
+    # has the saves during the prefill)
+    base = {
+        "master": master,
+        "timeout": 3.0,
+        "load_async": True,
+        "lookup_async": False,
+        "save_during_prefill": False,
+    }
     vc = vllm_config(model, role, base | extra, caching)
     s = Scheduler(vc, KCC, StructuredOutputManager(vc), block_size=BS, log_stats=False)
     assert isinstance(s.connector, MooncakeConnectorsStore)

@@ -28,6 +28,12 @@ default on): its client's data and control messages over loopback TCP, as Moonca
 works, so ``ttft_ratio_ours_tcp_over_theirs`` is the like-for-like figure. The systems run one
 after the other in one window; medians per length are reported, and
 ``ttft_ratio_ours_over_theirs`` per length (target: <= 1.0).
+
+``saver_ttft_ms`` is A's time to its first token on the saved prompts (what saving costs the
+first instance, with saves during the prefill). ``save_during_prefill`` sets that key of ours
+(default: the connector's default); ``max_num_batched_tokens`` chunks every engine's prefill;
+``overlap_tokens`` > 0 adds ``overlap`` rounds (:mod:`.vllm_store_overlap`): B asks for A's
+prompt as soon as A streams its first token, while A still generates ``overlap_tokens``.
 """
 
 from __future__ import annotations
@@ -52,7 +58,6 @@ from .launch import (
     completion_body,
     post_stream,
     random_prompt,
-    token_ids,
 )
 from .procs import _stop, loadavg
 
@@ -83,8 +88,10 @@ class _Ours:
         load_async: bool = False,
         transports: tuple[str, ...] = ("shm", "tcp"),
         lookup_async: bool = True,
+        save_during_prefill: bool | None = None,
     ) -> None:
         self.load_async = load_async
+        self.save_during_prefill = save_during_prefill
         self.lookup_async = lookup_async
         self.transports = transports
         self.name = "mooncake-connectors MooncakeConnectorsStore" + (
@@ -94,6 +101,8 @@ class _Ours:
             self.name += " (synchronous lookup)"
         if transports != ("shm", "tcp"):
             self.name += f" ({','.join(transports)})"
+        if save_during_prefill is not None:
+            self.name += f" (save_during_prefill {'on' if save_during_prefill else 'off'})"
         self.work = work
         self.memory = memory
         self.procs: list[Any] = []
@@ -119,7 +128,12 @@ class _Ours:
                 "load_async": self.load_async,
                 "lookup_async": self.lookup_async,
                 "transports": list(self.transports),
-            },
+            }
+            | (
+                {}
+                if self.save_during_prefill is None
+                else {"save_during_prefill": self.save_during_prefill}
+            ),
         }
 
     def env(self) -> dict[str, str]:
@@ -250,18 +264,28 @@ def run_store_benchmark(
     kv_heads: int = 4,
     memory: str = "2G",
     settle: float = 1.0,
+    save_during_prefill: bool | None = None,
+    max_num_batched_tokens: int | None = None,
+    overlap_tokens: int = 0,
     work_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
     from .tiny_model import build
+    from .vllm_store_overlap import overlap
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-store-"))
     work.mkdir(parents=True, exist_ok=True)
     model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
     runners: list[Any] = [_NoConnector()] if baseline else []
+    sdp = save_during_prefill
+    chunk = (
+        ()
+        if max_num_batched_tokens is None
+        else ("--max-num-batched-tokens", str(max_num_batched_tokens))
+    )
     if with_ours:
-        runners.append(_Ours(work, memory, transports=transports))
+        runners.append(_Ours(work, memory, transports=transports, save_during_prefill=sdp))
     if with_ours and tcp_only and transports != ("tcp",):
         runners.append(_Ours(work, memory, transports=("tcp",)))
     if with_ours_async:
@@ -276,7 +300,7 @@ def run_store_benchmark(
             runners.append(_Theirs(work, memory))
     total = len(runners) * len(lengths) * (rounds + 1)
     done = 0
-    max_len = max(*lengths, 600) + max_tokens + 64  # 600: the warm-up prompts
+    max_len = max(*lengths, 600) + max(max_tokens, overlap_tokens) + 64  # 600: the warm-ups
     results: dict[str, Any] = {}
     paired: dict[str, Any] = {}
     companion: VllmServer | None = None
@@ -301,7 +325,7 @@ def run_store_benchmark(
                             core=core,
                             kv_transfer_config=runner.kv(),
                             max_model_len=max_len,
-                            args=("--no-enable-prefix-caching",),
+                            args=("--no-enable-prefix-caching", *chunk),
                             env=env,
                         )
                     )
@@ -322,10 +346,11 @@ def run_store_benchmark(
                     _stream(b.url, p, 2)
                 per_len: dict[str, Any] = {}
                 for length in lengths:
-                    ttft, hit, same = [], [], []
+                    ttft, hit, same, saver = [], [], [], []
                     for r in range(0 if plain else rounds):
                         prompt = random_prompt(length * 100 + r, length)
-                        reference = token_ids(completion(a.url, prompt, max_tokens))
+                        a_ms, reference = _stream(a.url, prompt, max_tokens)
+                        saver.append(a_ms)
                         time.sleep(settle)  # the save runs after A's request finished
                         before = b.metric(HITS)
                         ms, ids = _stream(b.url, prompt, max_tokens)
@@ -351,7 +376,11 @@ def run_store_benchmark(
                             "hit_fraction": round(min(hit), 3),
                             "tokens_identical": all(same),
                             "tokens_identical_per_prompt": same,
+                            "saver_ttft_ms": round(statistics.median(saver), 1),
+                            "saver_ttft_ms_all": [round(t, 1) for t in saver],
                         }
+                    if overlap_tokens > 0 and not plain:
+                        row["overlap"] = overlap(a, b, length, rounds, max_tokens, overlap_tokens)
                     if companion is not None and not plain:
                         pairs = _cold_pairs(b, companion, length, rounds, max_tokens)
                         paired.setdefault(runner.name, {})[str(length)] = pairs
@@ -381,6 +410,9 @@ def run_store_benchmark(
         },
         "rounds": rounds,
         "max_tokens": max_tokens,
+        "save_during_prefill": save_during_prefill,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "overlap_tokens": overlap_tokens,
         "nice": os.nice(0),
         "load_average": loadavg(),
         "results": results,

@@ -173,6 +173,16 @@ def bench_vllm_store(
     settle: Annotated[
         float, typer.Option(min=0.0, help="Seconds between the saving and the loading request.")
     ] = 1.0,
+    save_during_prefill: Annotated[
+        bool | None,
+        typer.Option(help="Set ours' save_during_prefill (default: the connector's default)."),
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(min=16, help="Every engine's prefill chunk, in tokens.")
+    ] = None,
+    overlap_tokens: Annotated[
+        int, typer.Option(min=0, help="> 0: also B asks while A still generates this many.")
+    ] = 0,
     work_dir: WorkDir = None,
     output: Output = None,
     verbose: Verbose = 0,
@@ -199,6 +209,9 @@ def bench_vllm_store(
             kv_heads=kv_heads,
             memory=memory,
             settle=settle,
+            save_during_prefill=save_during_prefill,
+            max_num_batched_tokens=max_num_batched_tokens,
+            overlap_tokens=overlap_tokens,
             work_dir=Path(work_dir) if work_dir else None,
             progress=advance,
         )

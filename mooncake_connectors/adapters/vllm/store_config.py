@@ -68,6 +68,12 @@ STORE_KEYS: dict[str, Key] = {
         "until it answers (a slow or hung store never holds a scheduler step); false: it runs "
         "inside the scheduler step (default true)",
     ),
+    "save_during_prefill": Key(
+        Kind.BOOL,
+        "true: the full prompt blocks a step computed are saved right after that step, while "
+        "the request still runs (chunked prefill saves as it goes); false: saved when the "
+        "request finishes (default true)",
+    ),
     **TLS_KEYS,
 }
 SCHEMA = Schema(
@@ -94,6 +100,7 @@ class StoreConnectorConfig(Credentials):
     replicas: int = 1
     load_async: bool = False
     lookup_async: bool = True
+    save_during_prefill: bool = True
 
     def __post_init__(self) -> None:
         for key in ("timeout", "lookup_timeout", "cooldown"):

@@ -37,7 +37,8 @@ class MooncakeConnectorsStore(
 ):
     """Prefix-hash KV reuse across vLLM instances through mooncake-connectors' store.
 
-    Saves happen from the finished blocks (``request_finished``), not layer by layer. With
+    Saves happen per step, for the full prompt blocks a step completed (``save_during_prefill``),
+    and for the rest when the request finishes (``request_finished``), not layer by layer. With
     vLLM's hybrid KV cache manager (``SupportsHMA``) each KV cache group's blocks are saved and
     loaded (:mod:`.store_scheduler`)."""
 
@@ -53,10 +54,10 @@ class MooncakeConnectorsStore(
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # A cache, not a hand-off: a save that never happens is a later miss. Saves read only
-        # finished requests' blocks, which vLLM keeps until the save is reported done, so a
-        # preemption never frees blocks a save still reads; vLLM may deliver a preempted
-        # request's in-flight tokens instead of recomputing them.
+        # A cache, not a hand-off: a save that never happens is a later miss. A finished
+        # request's blocks are kept until its saves are reported done, and a preempted request's
+        # freed blocks are overwritten only after its step saves read them (handle_preemptions),
+        # so vLLM may deliver a preempted request's in-flight tokens instead of recomputing them.
         return False
 
     def _build_scheduler(
@@ -114,3 +115,10 @@ class MooncakeConnectorsStore(
         if any(t.device.type == "cpu" for t in kv_caches.values()):
             enable_amx_tiles()
         self.worker.register_kv_caches(kv_caches, get_tensor_model_parallel_rank())
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        assert isinstance(kv_connector_metadata, StoreConnectorMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)

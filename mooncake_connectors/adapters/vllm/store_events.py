@@ -35,7 +35,8 @@ def stored_event(spec: BlockSpec, held: int) -> BlockStored | None:
     extra = spec.extra_keys[:held] if spec.extra_keys else None
     return BlockStored(
         block_hashes=[bytes.fromhex(h) for h in spec.hashes[:held]],
-        parent_block_hash=None,  # saves always start at the prompt's first block
+        # a save from the prompt's first block, or a step save chained to the one before
+        parent_block_hash=bytes.fromhex(spec.parent) if spec.parent else None,
         token_ids=list(spec.token_ids[: held * block_size]),
         block_size=block_size,
         lora_id=None,

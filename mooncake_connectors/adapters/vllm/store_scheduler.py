@@ -8,7 +8,11 @@ without a gap; those tokens are offered as an asynchronous external hit. Once vL
 blocks for them, the workers are told which keys go into which blocks.
 
 Save: when a request finishes normally, its full prompt blocks are handed to the workers, which
-write those the store lacks; vLLM keeps the blocks until the workers report the save done.
+write those the store lacks; vLLM keeps the blocks until the workers report the save done. With
+``save_during_prefill`` (default), each step also hands over the full prompt blocks it completes
+(``step`` saves, written after that step's forward pass), so a long prompt prefilled in chunks is
+in the store before its request ends; the finish-time save then covers what is left (one KV
+cache group only: with several, blocks are saved when the request finishes).
 
 Several KV cache groups (vLLM's hybrid KV cache manager, e.g. sliding-window and full-attention
 layers): each group has its own blocks, and a sliding-window group holds only the blocks of its
@@ -34,6 +38,7 @@ from .store_events import StoreEventLog
 from .store_inputs import key_inputs, key_token_ids
 from .store_keys import BlockKeys, layout_tag, prompt_block_hashes
 from .store_lookup import PENDING, Lookups
+from .store_step_saves import step_saves
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,12 +67,20 @@ class BlockSpec:
     # Several KV cache groups: groups[g][i] is group g's block for hashes[i], 0 (vLLM's null
     # block) where the group holds none; block_ids then lists every group's blocks.
     groups: list[list[int]] = dataclasses.field(default_factory=list)
+    # A save of the blocks this step completes (``save_during_prefill``): written after the
+    # step's forward pass and not reported done (the request still runs). ``parent``: the chained
+    # hash of the block before ``hashes[0]``, None from the prompt's first block.
+    step: bool = False
+    parent: str | None = None
 
 
 @dataclasses.dataclass
 class StoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # Any without vLLM
     loads: list[BlockSpec] = dataclasses.field(default_factory=list)
     saves: list[BlockSpec] = dataclasses.field(default_factory=list)
+    # Preempted requests with step saves issued: their freed blocks must not be overwritten
+    # before those saves have read them (the worker waits in ``handle_preemptions``).
+    preempted: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -175,6 +188,10 @@ class StoreScheduler:
         self._loaded: set[str] = set()
         self._loads: list[BlockSpec] = []
         self._saves: list[BlockSpec] = []
+        # save_during_prefill: the requests that may be scheduled, and per request how many of
+        # its blocks, from the first, were handed to the workers already (step saves issued)
+        self._requests: dict[str, Request] = {}
+        self._handed: dict[str, int] = {}
         self.events = StoreEventLog(self.tp_size)
         # lookup_async: batch_exists off the scheduler loop, a miss once past twice its deadline
         self.lookups = Lookups(2 * config.lookup_timeout) if config.lookup_async else None
@@ -246,6 +263,8 @@ class StoreScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
+        if self.save and self.config.save_during_prefill and self.windows is None:
+            self._requests[rid] = request  # step saves: one KV cache group only
         if not self.load or rid in self._loaded:
             return 0, False
         start = num_computed_tokens // self.block_size
@@ -301,6 +320,8 @@ class StoreScheduler:
             )
             return
         self._loads.append(BlockSpec(rid, list(block_ids[start:end]), hashes[start:end]))
+        if rid in self._requests:  # loaded from the store: nothing there to save again
+            self._handed[rid] = max(self._handed.get(rid, 0), end)
 
     def _load_groups(
         self,
@@ -328,8 +349,13 @@ class StoreScheduler:
 
     # -- both --------------------------------------------------------------------------------
     def build_connector_meta(self, out: object = None) -> StoreConnectorMetadata:
+        if self._requests and out is not None:
+            step_saves(self, out)
         meta = StoreConnectorMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = [], []
+        preempted = getattr(out, "preempted_req_ids", None)
+        if preempted:
+            meta.preempted = [r for r in preempted if self._handed.get(r, 0) > 0]
         return meta
 
     def request_finished(
@@ -345,17 +371,32 @@ class StoreScheduler:
         if self.lookups is not None:
             self.lookups.forget(rid)
         hashes = self._hashes.pop(rid, None)
+        self._requests.pop(rid, None)
+        handed = self._handed.pop(rid, 0)
         if not self.save or request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ):
-            return False, None  # aborted or failed: its KV may be incomplete
+            # Aborted or failed: its KV past the handed blocks may be incomplete. Step saves
+            # already issued may still read its blocks: an empty save, queued behind them on
+            # the worker, reports the request done once they have.
+            if handed <= 0:
+                return False, None
+            self._saves.append(BlockSpec(rid, [], [], step=False))
+            return True, None
         if hashes is None:
             hashes = self._prompt_hashes(request)
             self._hashes.pop(rid, None)
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
         per_group = block_ids if isinstance(block_ids, tuple) else (block_ids,)
         n = min(len(hashes), computed // self.block_size, *(len(g) for g in per_group))
+        if handed > 0:  # step saves issued (one group): the rest, queued behind them (maybe none)
+            first = min(handed, max(n, 0))
+            ids = list(per_group[0][first:n])
+            spec = self._save_spec(request, ids, hashes[first:n], first)
+            spec.parent = hashes[first - 1] if first else None
+            self._saves.append(spec)
+            return True, None
         if n <= 0 or self.store.ready() is None:
             return False, None
         if self.windows is None:
@@ -367,14 +408,17 @@ class StoreScheduler:
         self._saves.append(spec)
         return True, None  # vLLM keeps the blocks until the workers report the save done
 
-    def _save_spec(self, request: Request, block_ids: list[int], hashes: list[str]) -> BlockSpec:
+    def _save_spec(
+        self, request: Request, block_ids: list[int], hashes: list[str], first: int = 0
+    ) -> BlockSpec:
+        """The save of ``block_ids``, the prompt's blocks from its ``first`` on."""
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
             to_event_extra_keys,
         )
 
         bs, extra, mm = self.block_size, [], 0
-        for b in range(len(hashes)):
+        for b in range(first, first + len(hashes)):
             keys, mm = generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, mm)
             extra.append(keys)
         lora = getattr(request, "lora_request", None)
@@ -382,7 +426,7 @@ class StoreScheduler:
             request.request_id,
             block_ids,
             hashes,
-            token_ids=list(key_token_ids(request)[: len(hashes) * bs]),
+            token_ids=list(key_token_ids(request)[first * bs : (first + len(hashes)) * bs]),
             extra_keys=to_event_extra_keys(extra),
             lora_name=None if lora is None else str(lora.lora_name),
         )

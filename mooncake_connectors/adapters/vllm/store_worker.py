@@ -17,6 +17,12 @@ from using the client at once. Every call ends by the configured deadline; a loa
 fails or times out reports its blocks (from the first one not loaded) through vLLM's load-error
 channel, and ``kv_load_failure_policy="recompute"`` recomputes them. A save that fails is logged
 and counted; the request is released either way.
+
+Step saves (``save_during_prefill``: the blocks a step completed, while the request runs) are
+queued in ``wait_for_save``, after the step's forward pass wrote them, and are not reported done;
+a request that ends after step saves gets one more save, queued behind them, that reports it, so
+vLLM frees its blocks only once every save has read them. Before a step's forward pass
+overwrites a preempted request's freed blocks, ``handle_preemptions`` waits for the saves queued.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class StoreWorker:
             queue.PriorityQueue()
         )
         self._seq = itertools.count()
+        self._step_saves: list[BlockSpec] = []  # queued at this step's wait_for_save
         self._thread = threading.Thread(target=self._run, name="mc-store-io", daemon=True)
         self._thread.start()
 
@@ -152,7 +159,25 @@ class StoreWorker:
             else:
                 self._load(spec, report=False)  # done before this step's forward pass
         for spec in meta.saves:
-            self._submit(_SAVE, lambda s=spec: self._save(s))  # type: ignore[misc]
+            if spec.step:
+                self._step_saves.append(spec)
+            else:
+                self._submit(_SAVE, lambda s=spec: self._save(s))  # type: ignore[misc]
+
+    def wait_for_save(self) -> None:
+        """Queue this step's step saves: the forward pass has written their blocks now."""
+        specs, self._step_saves = self._step_saves, []
+        for spec in specs:
+            self._submit(_SAVE, lambda s=spec: self._save(s, report=False))  # type: ignore[misc]
+
+    def handle_preemptions(self, meta: StoreConnectorMetadata) -> None:
+        """Wait (bounded) for the saves queued so far: preempted requests' blocks are free."""
+        if not meta.preempted:
+            return
+        done = threading.Event()
+        self._submit(_SAVE, done.set)
+        if not done.wait(2 * self.config.timeout + 5):
+            log.warning("saves still running at a preemption of %s", sorted(meta.preempted))
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -275,9 +300,11 @@ class StoreWorker:
                 if report:  # asynchronous loads end in get_finished
                     self._loaded.add(spec.request_id)
 
-    def _save(self, spec: BlockSpec) -> None:
+    def _save(self, spec: BlockSpec, report: bool = True) -> None:
         t0 = time.perf_counter()
         try:
+            if not spec.block_ids:
+                return  # nothing left to write: only the report below
             keys, addrs, sizes = self._plan(spec)
             store = self._store()
 
@@ -324,8 +351,9 @@ class StoreWorker:
             self.stats.record_failed_save()
             log.exception("request %s: KV save failed", spec.request_id)
         finally:
-            with self._lock:
-                self._saved.add(spec.request_id)
+            if report:  # a step save's request still runs
+                with self._lock:
+                    self._saved.add(spec.request_id)
 
     def _record_held(
         self, spec: BlockSpec, todo: list[int], results: list[Result], owner: list[int]
