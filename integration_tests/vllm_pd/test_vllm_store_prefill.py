@@ -42,7 +42,7 @@ from mooncake_connectors.store import StoreClient
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CHUNK = str(BLOCK)  # one block per prefill step
-LONG_DECODE = 4000  # A keeps decoding this long after its prefill (B is answered meanwhile)
+LONG_DECODE = 8000  # A keeps decoding this long after its prefill (B is answered meanwhile)
 ABORT_LEN = 9000  # the aborted prompt (A and B take prompts up to 10k tokens)
 
 
