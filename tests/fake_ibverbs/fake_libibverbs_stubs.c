@@ -39,10 +39,6 @@ NOSYS_INT(ibv_query_ece, void *a, void *b)
 NOSYS_INT(ibv_set_ece, void *a, void *b)
 int ibv_query_qp_data_in_order(void *qp, int op, uint32_t flags) { (void)qp, (void)op, (void)flags; return 0; }
 NOSYS_INT(ibv_rereg_mr, void *a, int b, void *c, void *d, size_t e, int f)
-/* IBVERBS_1.15 (rdma-core 59): DMA handles and the extended MR registration */
-NOSYS_PTR(ibv_alloc_dmah, void *a, void *b)
-NOSYS_INT(ibv_dealloc_dmah, void *a)
-NOSYS_PTR(ibv_reg_mr_ex, void *a, void *b)
 /* what the real librdmacm.so.1 (loaded by pyverbs' cmid module) binds against */
 NOSYS_INT(ibv_attach_mcast, void *a, void *b, uint16_t c)
 NOSYS_INT(ibv_detach_mcast, void *a, void *b, uint16_t c)
