@@ -1,13 +1,16 @@
-"""The rdma seam (verbs.py) over the real pyverbs: Debian's python3-pyverbs, in the venv
-scripts/bootstrap makes from /usr/bin/python3 (.venv-rdma). Skipped where pyverbs does not import.
+"""The rdma seam (verbs.py) over the real pyverbs: Debian's python3-pyverbs (rdma-core 44), in the
+venv scripts/bootstrap makes from /usr/bin/python3 (.venv-rdma), or a v59+ build from PyPI's
+sdist. Skipped where pyverbs does not import.
 
 These need no device: the import path, the enum constants from either module layout (rdma-core
 <= 58's ``pyverbs.enums`` with module-level names, v59+'s ``pyverbs.libibverbs_enums`` whose
-names live only in the enum classes), and the data objects the seam builds."""
+names live only in the enum classes under Cython >= 3.1), and the data objects the seam builds.
+Each layout runs over the installed build as it is, and the other one is made from its classes."""
 
 from __future__ import annotations
 
 import enum
+import importlib
 import sys
 import types
 from collections.abc import Iterator
@@ -17,9 +20,20 @@ import pytest
 from mooncake_connectors.errors import ConfigError
 from mooncake_connectors.transfer_core.transports.rdma.verbs import Verbs
 
-pyverbs_enums = pytest.importorskip(
-    "pyverbs.enums", reason="pyverbs (python3-pyverbs) does not import here"
-)
+pytest.importorskip("pyverbs.device", reason="pyverbs (python3-pyverbs) does not import here")
+
+
+def _installed_enums() -> types.ModuleType:
+    """The enum module of the installed build: v59's name first, then the older one."""
+    for name in ("pyverbs.libibverbs_enums", "pyverbs.enums"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    pytest.fail("pyverbs imports but has neither pyverbs.libibverbs_enums nor pyverbs.enums")
+
+
+pyverbs_enums = _installed_enums()
 
 # Values from rdma-core's verbs.h, which pyverbs mirrors.
 WANT = {
@@ -49,18 +63,38 @@ def _drop(monkeypatch: pytest.MonkeyPatch, sub: str) -> None:
     monkeypatch.delattr(sys.modules["pyverbs"], sub, raising=False)
 
 
+def _classes(name: str) -> types.ModuleType:
+    """A module ``name`` holding the installed build's enum classes and nothing else."""
+    mod = types.ModuleType(name)
+    for attr, val in vars(pyverbs_enums).items():
+        if isinstance(val, enum.EnumMeta):
+            setattr(mod, attr, val)
+    assert not hasattr(mod, "IBV_QPT_RC")
+    return mod
+
+
 @pytest.fixture
 def v59_layout(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """rdma-core v59's layout, made from the installed bindings: ``pyverbs.enums`` gone (a None
-    entry in sys.modules makes its import fail, as there), and ``pyverbs.libibverbs_enums``
-    holding the same enum classes without the module-level copies Cython >= 3.1 drops."""
-    mod = types.ModuleType("pyverbs.libibverbs_enums")
-    for name, val in vars(pyverbs_enums).items():
-        if isinstance(val, enum.EnumMeta):
-            setattr(mod, name, val)
-    assert not hasattr(mod, "IBV_QPT_RC")
+    """rdma-core v59's layout: ``pyverbs.enums`` gone (a None entry in sys.modules makes its
+    import fail, as there), and ``pyverbs.libibverbs_enums`` holding only the enum classes, as
+    Cython >= 3.1 builds it (no module-level copies of the members)."""
     _drop(monkeypatch, "enums")
-    monkeypatch.setitem(sys.modules, "pyverbs.libibverbs_enums", mod)
+    monkeypatch.setitem(
+        sys.modules, "pyverbs.libibverbs_enums", _classes("pyverbs.libibverbs_enums")
+    )
+    yield
+
+
+@pytest.fixture
+def v58_layout(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """rdma-core <= 58's layout: no ``pyverbs.libibverbs_enums``, and ``pyverbs.enums`` with each
+    member at module level as well as in its class (what Cython < 3.1 builds)."""
+    mod = _classes("pyverbs.enums")
+    for cls in [v for v in vars(mod).values() if isinstance(v, enum.EnumMeta)]:
+        for member_name, member in cls.__members__.items():
+            setattr(mod, member_name, member)
+    _drop(monkeypatch, "libibverbs_enums")
+    monkeypatch.setitem(sys.modules, "pyverbs.enums", mod)
     yield
 
 
@@ -72,6 +106,11 @@ def test_real_pyverbs_loads_with_the_verbs_constants() -> None:
 
 
 def test_v59_layout_loads(v59_layout: None) -> None:
+    v = Verbs("pyverbs")
+    assert {n: getattr(v.lib.e, n) for n in WANT} == WANT
+
+
+def test_v58_layout_loads(v58_layout: None) -> None:
     v = Verbs("pyverbs")
     assert {n: getattr(v.lib.e, n) for n in WANT} == WANT
 

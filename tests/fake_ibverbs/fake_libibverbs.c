@@ -462,6 +462,13 @@ int ibv_query_gid_type(struct ibv_context *ctx, uint8_t port, unsigned int index
 	*type = v2;
 	return 0;
 }
+/* the same verb under rdma-core 44's private ABI, for pyverbs built against that release */
+__asm__(".symver ibv_query_gid_type_34, ibv_query_gid_type@IBVERBS_PRIVATE_34");
+int ibv_query_gid_type_34(struct ibv_context *ctx, uint8_t port, unsigned int index, uint32_t *type);
+int ibv_query_gid_type_34(struct ibv_context *ctx, uint8_t port, unsigned int index, uint32_t *type)
+{
+	return ibv_query_gid_type(ctx, port, index, type);
+}
 
 int _ibv_query_gid_ex(struct ibv_context *ctx, uint32_t port, uint32_t index,
 		      struct ibv_gid_entry *e, uint32_t flags, size_t size)

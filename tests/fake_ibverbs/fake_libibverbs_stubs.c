@@ -1,5 +1,5 @@
 /*
- * FAKE libibverbs.so.1 (tests only), part two: the verbs Debian's pyverbs links against that the
+ * FAKE libibverbs.so.1 (tests only), part two: the verbs pyverbs (44 or 59) links against that the
  * rdma transport never calls. They exist so the real pyverbs loads (Python opens extension
  * modules with RTLD_NOW); each says EOPNOTSUPP. Kept apart from verbs.h, whose prototypes these
  * loose ones would clash with.
