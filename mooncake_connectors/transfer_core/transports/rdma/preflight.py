@@ -18,8 +18,8 @@ import resource
 from dataclasses import dataclass, field
 
 from ....errors import ConfigError, GpuError
+from .settings import RdmaSettings
 from .topology import NAMES, Topology, distance
-from .transport import RdmaSettings
 from .verbs import (
     GID_TYPE_ROCE_V2,
     LINK_LAYER_ETHERNET,

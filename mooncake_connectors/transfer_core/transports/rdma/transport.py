@@ -36,6 +36,7 @@ from .memlock import check_memlock
 from .mrs import Registry
 from .nicstate import NicState
 from .passive import _REAP_EVERY, PassiveSide
+from .preflight import open_nics
 from .rails import WR, Rail, RailOwner, Work, too_late
 from .settings import RdmaSettings as RdmaSettings  # where doctor and peers import it
 from .topology import Topology
@@ -85,23 +86,12 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
     def start(self) -> dict[str, str]:
         st = self.settings
         verbs = self.verbs = Verbs(st.verbs)
-        names = verbs.devices()
-        if st.nics:
-            unknown = sorted(set(st.nics) - set(names))
-            if unknown:
-                raise ConfigError(f"rdma nics {unknown} not found; this host has {names}")
-            names = list(st.nics)
         check_memlock(st.min_memlock)
         env = ib_qos_from_env()
         tc = st.traffic_class if st.traffic_class >= 0 else env.get("traffic_class", 0)
         sl = st.service_level if st.service_level >= 0 else env.get("service_level", 0)
-        opened: list[Nic] = []
-        errors: list[str] = []
-        for name in names:
-            try:
-                opened.append(verbs.open(name, st.port, st.gid_index))
-            except ConfigError as exc:
-                errors.append(exc.message)
+        opened, skipped = open_nics(verbs, st)  # the same choice `doctor` reports
+        errors = [s.why for s in skipped]
         if not opened:
             raise ConfigError("no usable RDMA device: " + "; ".join(errors))
         for msg in errors:
