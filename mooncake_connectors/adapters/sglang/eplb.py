@@ -176,30 +176,21 @@ def _around(original: Any, *args: Any, **kwargs: Any) -> Any:
     )
     call = dict(zip(names, args, strict=False)) | kwargs
     algorithm = call.get("algorithm")
-    if algorithm in _ELASTIC:
-        physical, local = call["num_physical_experts"], call["num_local_physical_experts"]
-        return rebalance_elastic(
-            call["tokens_per_expert"],
-            physical,
-            local,
-            call["num_groups"],
-            call["num_nodes"],
-            algorithm in _HIERARCHICAL,
-            sglang_active_ranks(),
-            running_placement(physical // local, physical),
-        )
-    if algorithm not in _OURS:
+    if algorithm not in _ELASTIC and algorithm not in _OURS:
         return original(*args, **kwargs)
     physical, local = call["num_physical_experts"], call["num_local_physical_experts"]
-    return rebalance(
+    common = (
         call["tokens_per_expert"],
         physical,
         local,
         call["num_groups"],
         call["num_nodes"],
         algorithm in _HIERARCHICAL,
-        running_placement(physical // local, physical),
     )
+    served = running_placement(physical // local, physical)
+    if algorithm in _ELASTIC:
+        return rebalance_elastic(*common, sglang_active_ranks(), served)
+    return rebalance(*common, served)
 
 
 def register(environ: Mapping[str, str] | None = None) -> bool:
