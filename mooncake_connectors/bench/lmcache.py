@@ -260,7 +260,7 @@ class AliasSystem:
             text=True,
             env=env,
         )
-        store = self._call({"cmd": "ready"}, timeout=300)
+        store = self._call({"cmd": "ready"}, timeout=600)  # imports torch and LMCache
         if not str(store).startswith("mooncake_connectors."):
             raise RuntimeError(f"{ALIAS}: LMCache's connector got {store}, not our facade")
 
