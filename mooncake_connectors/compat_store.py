@@ -6,8 +6,10 @@
 Same method names, argument order and return conventions as Mooncake 0.3.13 (checked against the
 wheel): ints are 0 or a negative Mooncake error code (-200 no space, -600 invalid argument, -704
 not found, -800 transfer failed, -900 no master); ``get``/``get_batch`` return ``b""`` for a miss;
-``get_into``/``batch_get_into`` return the bytes read; ``is_exist`` 1/0/-1; ``remove_all`` the
-number removed; a put of an existing key returns 0 and keeps the stored value (as Mooncake does).
+``get_into``/``batch_get_into`` return the bytes read; ``get_buffer``/``batch_get_buffer`` a
+``BufferHandle`` (None for a miss); ``put_parts`` stores its parts' concatenation; ``is_exist``
+1/0/-1; ``remove_all`` the number removed; a put of an existing key returns 0 and keeps the
+stored value (as Mooncake does).
 Two deliberate differences: a value of 0 bytes can be stored (Mooncake refuses it with -600), and
 ``remove`` of a key a reader just leased succeeds — the key disappears at once and its memory is
 reused when the lease ends (Mooncake answers -706 until the lease expires).
