@@ -85,18 +85,19 @@ class Stores:
             self.procs.append(subprocess.Popen(args, stdout=out, stderr=out, env=env))
             return self.procs[-1]
 
-        cli = CLI
-        self.ours = start_master([], self.procs, env)
-        args = [*cli, "store-server", "--master", self.ours, "--memory", str(memory)]
-        quiet(args)
-        with StoreClient(ClientConfig(master=self.ours)) as probe:
-            end = time.monotonic() + 60
-            while probe.stats().get("servers", 0) < 1:
-                if time.monotonic() > end or self.procs[-1].poll() is not None:
-                    raise RuntimeError("our store server did not mount its memory")
-                time.sleep(0.05)
-
-        self.mooncake_master, self.mooncake_metadata = start_mooncake_store(memory, self.procs)
+        try:  # what started is stopped when a later step fails
+            self.ours = start_master([], self.procs, env)
+            quiet([*CLI, "store-server", "--master", self.ours, "--memory", str(memory)])
+            with StoreClient(ClientConfig(master=self.ours)) as probe:
+                end = time.monotonic() + 60
+                while probe.stats().get("servers", 0) < 1:
+                    if time.monotonic() > end or self.procs[-1].poll() is not None:
+                        raise RuntimeError("our store server did not mount its memory")
+                    time.sleep(0.05)
+            self.mooncake_master, self.mooncake_metadata = start_mooncake_store(memory, self.procs)
+        except BaseException:
+            self.close()
+            raise
         self.where = Where(self.ours, self.mooncake_master, self.mooncake_metadata)
 
     def close(self) -> None:
@@ -260,9 +261,14 @@ class AliasSystem:
             text=True,
             env=env,
         )
-        store = self._call({"cmd": "ready"}, timeout=600)  # imports torch and LMCache
-        if not str(store).startswith("mooncake_connectors."):
-            raise RuntimeError(f"{ALIAS}: LMCache's connector got {store}, not our facade")
+        try:
+            store = self._call({"cmd": "ready"}, timeout=600)  # imports torch and LMCache
+            if not str(store).startswith("mooncake_connectors."):
+                raise RuntimeError(f"{ALIAS}: LMCache's connector got {store}, not our facade")
+        except BaseException:
+            _stop(self.proc)  # not in the caller's list yet: nobody else would stop it
+            self.log.close()
+            raise
 
     def _call(self, req: dict[str, Any], timeout: float = 600) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
