@@ -40,7 +40,13 @@ EXPORTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mooncake.engine": ("mooncake_connectors.compat", ("TransferEngine",)),
     "mooncake.store": (
         "mooncake_connectors.compat_store",
-        ("MooncakeDistributedStore", "ObjectDataType", "ReplicateConfig", "SoftPinAction"),
+        (
+            "BufferHandle",
+            "MooncakeDistributedStore",
+            "ObjectDataType",
+            "ReplicateConfig",
+            "SoftPinAction",
+        ),
     ),
 }
 MARK = "__mooncake_connectors_alias__"

@@ -6,8 +6,10 @@
 Same method names, argument order and return conventions as Mooncake 0.3.13 (checked against the
 wheel): ints are 0 or a negative Mooncake error code (-200 no space, -600 invalid argument, -704
 not found, -800 transfer failed, -900 no master); ``get``/``get_batch`` return ``b""`` for a miss;
-``get_into``/``batch_get_into`` return the bytes read; ``is_exist`` 1/0/-1; ``remove_all`` the
-number removed; a put of an existing key returns 0 and keeps the stored value (as Mooncake does).
+``get_into``/``batch_get_into`` return the bytes read; ``get_buffer``/``batch_get_buffer`` a
+``BufferHandle`` (None for a miss); ``put_parts`` stores its parts' concatenation; ``is_exist``
+1/0/-1; ``remove_all`` the number removed; a put of an existing key returns 0 and keeps the
+stored value (as Mooncake does).
 Two deliberate differences: a value of 0 bytes can be stored (Mooncake refuses it with -600), and
 ``remove`` of a key a reader just leased succeeds — the key disappears at once and its memory is
 reused when the lease ends (Mooncake answers -706 until the lease expires).
@@ -21,6 +23,7 @@ Mooncake's ``tcp`` has neither. For TCP only (data and control), pass ``transpor
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import sys
@@ -120,6 +123,31 @@ class ReplicateConfig:
 
     def _preferred(self) -> str:
         return self.preferred_segment or (self.preferred_segments or [""])[0]
+
+
+class BufferHandle(bytearray):
+    """A value read by ``get_buffer`` / ``batch_get_buffer``: Mooncake's ``BufferHandle``.
+
+    Like Mooncake's, it is a writable buffer (``memoryview``, ``torch.frombuffer``, ``len``)
+    with ``ptr()`` and ``size()``; here it owns a copy of the value (bytes, format ``B``)."""
+
+    def ptr(self) -> int:
+        if not self:
+            return 0
+        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+    def size(self) -> int:
+        return len(self)
+
+
+def _part(value: Any) -> memoryview:
+    """One part of ``put_parts``: a 1-D buffer of 1-byte items, as Mooncake 0.3.13 wants
+    (not bytes-like: TypeError; another shape or item size: RuntimeError). A strided part is
+    refused too (Mooncake reads the bytes under it as if it were contiguous)."""
+    mv = memoryview(value)
+    if mv.ndim != 1 or mv.itemsize != 1 or not mv.c_contiguous:
+        raise RuntimeError("parts must be 1-D bytes-like")
+    return mv if mv.format == "B" else mv.cast("B")
 
 
 def _code(err: MooncakeConnectorsError | None) -> int:
@@ -303,6 +331,17 @@ class MooncakeDistributedStore:
             return self._fail("put_batch", exc)
         return next((c for c in map(_code, errs) if c), OK)
 
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
+        """Store the concatenation of ``parts`` (bytes-like) under ``key``, as Mooncake 0.3.13
+        does: 0 or a negative code; a part that is not bytes-like is a ``TypeError``, one not 1-D
+        with 1-byte items a ``RuntimeError``; parts of 0
+        bytes in all store nothing and answer 0 (what the wheel does)."""
+        views = [_part(p) for p in parts]
+        if not sum(v.nbytes for v in views):
+            return OK
+        value = views[0] if len(views) == 1 else b"".join(views)
+        return self.put(key, value, config)
+
     def put_from(
         self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
     ) -> int:
@@ -333,6 +372,19 @@ class MooncakeDistributedStore:
         except (MooncakeConnectorsError, ValueError, TypeError) as exc:
             self._fail("get_batch", exc)
             return [b""] * len(keys)
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The value as a :class:`BufferHandle`, or None for a miss (or a failure)."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
+        """Per key a :class:`BufferHandle`, None for a miss; all None when the store fails."""
+        try:
+            values = self.client.get_batch(list(keys))
+        except (MooncakeConnectorsError, ValueError, TypeError) as exc:
+            self._fail("batch_get_buffer", exc)
+            return [None] * len(keys)
+        return [None if v is None else BufferHandle(v) for v in values]
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         return self.batch_get_into([key], [buffer_ptr], [size])[0]
@@ -415,8 +467,9 @@ class MooncakeDistributedStore:
         raise unsupported(
             "MooncakeDistributedStore",
             name,
-            "setup, put, get, put_batch, get_batch, put_from, get_into, batch_put_from, "
-            "batch_get_into, batch_put_from_multi_buffers, batch_get_into_multi_buffers, "
+            "setup, put, get, put_batch, get_batch, put_parts, get_buffer, batch_get_buffer, "
+            "put_from, get_into, batch_put_from, batch_get_into, batch_put_from_multi_buffers, "
+            "batch_get_into_multi_buffers, "
             "is_exist, batch_is_exist, get_size, remove, remove_all, "
             "register_buffer, unregister_buffer, get_hostname, close",
         )

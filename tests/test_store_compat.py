@@ -151,4 +151,4 @@ def test_failures_are_return_codes() -> None:
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "rdma", "", "127.0.0.1:1") < 0
     assert s.setup({"local_hostname": "127.0.0.1", "master_server_addr": "not an address"}) < 0
     with pytest.raises(AttributeError, match="supported"):
-        s.put_parts  # noqa: B018
+        s.batch_get_replica_desc  # noqa: B018

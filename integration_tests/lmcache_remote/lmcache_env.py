@@ -20,6 +20,7 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 PLUGIN = "mooncake_connectors"
+MOONCAKESTORE = "mooncakestore"  # LMCache's own Mooncake connector (needs mooncake.store)
 MODEL = "tiny-llama"
 CHUNK = 16  # tokens per chunk
 LAYERS, HEADS, HEAD_SIZE = 2, 2, 64
@@ -48,6 +49,30 @@ def engine_config(master: str, **settings: Any) -> Any:
     )
 
 
+def mooncakestore_config(master: str, save_chunk_meta: bool = False) -> Any:
+    """LMCache's config for its own ``mooncakestore`` connector, as LMCache users write it for
+    Mooncake's store: Mooncake's setup keys (``mooncake_`` prefix: LMCache 0.5.6 forwards its
+    legacy ``master_server_address`` under a name Mooncake 0.3.13 ignores)."""
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK,
+        local_cpu=False,
+        max_local_cpu_size=0.03,
+        remote_serde="naive",
+        remote_storage_plugins=[MOONCAKESTORE],
+        extra_config={
+            "local_hostname": "127.0.0.1",
+            "metadata_server": "P2PHANDSHAKE",
+            "mooncake_master_server_addr": master,
+            "global_segment_size": 0,  # the store servers hold the data
+            "local_buffer_size": 16 << 20,
+            "protocol": "tcp",
+            "device_name": "",
+            "save_chunk_meta": save_chunk_meta,
+            "transfer_timeout": 10,
+        },
+    )
+
+
 def metadata() -> Any:
     return LMCacheMetadata(
         model_name=MODEL,
@@ -61,12 +86,16 @@ def metadata() -> Any:
     )
 
 
-def storage_manager(master: str, **settings: Any) -> Any:
-    return StorageManager(engine_config(master, **settings), metadata(), EventManager())
+def storage_manager(master: str, backend: str = PLUGIN, **settings: Any) -> Any:
+    if backend == MOONCAKESTORE:
+        config = mooncakestore_config(master, **settings)
+    else:
+        config = engine_config(master, **settings)
+    return StorageManager(config, metadata(), EventManager())
 
 
-def remote(sm: Any) -> Any:
-    backend = sm.storage_backends[f"RemoteBackend-{PLUGIN}"]
+def remote(sm: Any, plugin: str = PLUGIN) -> Any:
+    backend = sm.storage_backends[f"RemoteBackend-{plugin}"]
     assert isinstance(backend, RemoteBackend)
     return backend
 
@@ -101,9 +130,9 @@ def put(sm: Any, seeds: list[int], tokens: int = CHUNK) -> list[Any]:
     return keys
 
 
-def wait_stored(sm: Any, seeds: list[int], timeout: float = 20.0) -> None:
+def wait_stored(sm: Any, seeds: list[int], timeout: float = 20.0, plugin: str = PLUGIN) -> None:
     """Until the store answers contains for every key (LMCache's puts are fire-and-forget)."""
-    backend = remote(sm)
+    backend = remote(sm, plugin)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if all(backend.contains(key(s)) for s in seeds):

@@ -1,9 +1,12 @@
 """A second LMCache instance in its own process, driven by JSON lines on stdin/stdout.
 
-    python lmcache_instance.py MASTER      then   {"cmd": "put"|"get"|"contains", "seeds": [...],
-                                                   "tokens": N}  or  {"cmd": "quit"}
+    python lmcache_instance.py MASTER [BACKEND]
+    then JSON lines: {"cmd": "put"|"get"|"contains", "seeds": [...], "tokens": N}
+    or {"cmd": "quit"}
 
-Builds LMCache's StorageManager with our plugin exactly as the test process does.
+Builds LMCache's StorageManager with our plugin exactly as the test process does; with BACKEND
+``mooncakestore``, with LMCache's own Mooncake connector instead, the ``mooncake`` alias switched
+on from ``MOONCAKE_CONNECTORS_AS_MOONCAKE`` (as vLLM's plugin loader would).
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ import lmcache_env as env
 
 
 def main() -> None:
-    sm = env.storage_manager(sys.argv[1])
-    backend = env.remote(sm)
-    where = f"RemoteBackend-{env.PLUGIN}"
+    plugin = sys.argv[2] if len(sys.argv) > 2 else env.PLUGIN
+    if plugin == env.MOONCAKESTORE:
+        from mooncake_connectors.compat_alias import install_from_env
+
+        if not install_from_env():
+            raise SystemExit("mooncakestore: set MOONCAKE_CONNECTORS_AS_MOONCAKE=1")
+    sm = env.storage_manager(sys.argv[1], plugin)
+    backend = env.remote(sm, plugin)
+    where = f"RemoteBackend-{plugin}"
     print(json.dumps({"ready": True}), flush=True)
     try:
         for line in sys.stdin:
@@ -28,7 +37,7 @@ def main() -> None:
                 break
             if cmd == "put":
                 env.put(sm, seeds, tokens)
-                env.wait_stored(sm, seeds)
+                env.wait_stored(sm, seeds, plugin=plugin)
                 reply: dict[str, Any] = {"ok": True}
             elif cmd == "get":
                 objs = sm.batched_get([env.key(s) for s in seeds], location=where)

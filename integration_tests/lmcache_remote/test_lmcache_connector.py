@@ -150,9 +150,12 @@ def test_framed_layout_round_trip_and_separate_namespace(make_sm: Any) -> None:
 class Instance:
     """lmcache_instance.py: another LMCache in another process."""
 
-    def __init__(self, master: str) -> None:
+    def __init__(
+        self, master: str, plugin: str = env.PLUGIN, extra_env: dict[str, str] | None = None
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "lmcache_instance.py"), master],
+            [sys.executable, str(HERE / "lmcache_instance.py"), master, plugin],
+            env={**os.environ, **(extra_env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

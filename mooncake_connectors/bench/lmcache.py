@@ -2,7 +2,7 @@
 
     python -m mooncake_connectors.bench.lmcache [--chunks 256K,2M,8M] [--batch 8]
         [--rounds 5] [--calls 4] [--memory 1G] [--modes zero-copy,metadata]
-    [--ours-transports shm,tcp] [-o out.json]
+    [--ours-transports shm,tcp] [--no-tcp-only] [--no-alias] [-o out.json]
 
 JSON on stdout. Both systems run as LMCache users run them: the store as processes (ours: a
 ``master`` and a ``store-server``; Mooncake's wheel: ``mooncake_master`` with its HTTP metadata
@@ -18,6 +18,12 @@ over TCP here (``protocol: tcp``); ours uses shared memory for a store server on
 unless ``--ours-transports tcp``. Ours also runs TCP only in the same window (``ours-tcp``: data
 and control messages over loopback TCP; ``--no-tcp-only`` skips it), and its
 ``throughput_ratio_tcp`` is the like-for-like figure against Mooncake's tcp.
+
+``lmcache-alias`` (``--no-alias`` skips it): LMCache's same ``mooncakestore`` connector,
+unmodified, on our store through the ``mooncake`` alias, TCP only (data and control), in its own
+process (the alias cannot share a process with the real ``mooncake`` the wheel's run imports);
+its rounds interleave with the others'. ``throughput_ratio_alias`` is it against the wheel: the
+same LMCache code, ours underneath vs Mooncake's.
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ import asyncio
 import json
 import os
 import platform
+import select
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -51,6 +61,18 @@ TOKEN_LAYER_BYTES = 2 * HEAD_SIZE * 2  # K and V of one head, bf16
 PLUGIN = "mooncake_connectors"
 
 
+ALIAS = "lmcache-alias"
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the two stores answer."""
+
+    ours: str
+    mooncake_master: str
+    mooncake_metadata: str
+
+
 class Stores:
     """Both stores as processes, for the whole run."""
 
@@ -63,18 +85,20 @@ class Stores:
             self.procs.append(subprocess.Popen(args, stdout=out, stderr=out, env=env))
             return self.procs[-1]
 
-        cli = CLI
-        self.ours = start_master([], self.procs, env)
-        args = [*cli, "store-server", "--master", self.ours, "--memory", str(memory)]
-        quiet(args)
-        with StoreClient(ClientConfig(master=self.ours)) as probe:
-            end = time.monotonic() + 60
-            while probe.stats().get("servers", 0) < 1:
-                if time.monotonic() > end or self.procs[-1].poll() is not None:
-                    raise RuntimeError("our store server did not mount its memory")
-                time.sleep(0.05)
-
-        self.mooncake_master, self.mooncake_metadata = start_mooncake_store(memory, self.procs)
+        try:  # what started is stopped when a later step fails
+            self.ours = start_master([], self.procs, env)
+            quiet([*CLI, "store-server", "--master", self.ours, "--memory", str(memory)])
+            with StoreClient(ClientConfig(master=self.ours)) as probe:
+                end = time.monotonic() + 60
+                while probe.stats().get("servers", 0) < 1:
+                    if time.monotonic() > end or self.procs[-1].poll() is not None:
+                        raise RuntimeError("our store server did not mount its memory")
+                    time.sleep(0.05)
+            self.mooncake_master, self.mooncake_metadata = start_mooncake_store(memory, self.procs)
+        except BaseException:
+            self.close()
+            raise
+        self.where = Where(self.ours, self.mooncake_master, self.mooncake_metadata)
 
     def close(self) -> None:
         for p in reversed(self.procs):
@@ -83,7 +107,7 @@ class Stores:
             _stop(p)
 
 
-def _config(system: str, mode: str, stores: Stores, cpu_gib: float, transports: str) -> Any:
+def _config(system: str, mode: str, stores: Where, cpu_gib: float, transports: str) -> Any:
     zero_copy = mode == "zero-copy"
     if system.startswith("ours"):
         if system == "ours-tcp":
@@ -101,10 +125,13 @@ def _config(system: str, mode: str, stores: Stores, cpu_gib: float, transports: 
     else:
         # LMCache 0.5.6 forwards ``master_server_address`` under that name, which Mooncake
         # 0.3.13's dict setup ignores; the ``mooncake_`` prefix passes Mooncake's own key.
+        # The alias run: the same keys, our master, Mooncake's P2P handshake (no metadata
+        # server); its process has MOONCAKE_CONNECTORS_TRANSPORTS=tcp.
+        alias = system == ALIAS
         extra = {
             "local_hostname": "127.0.0.1",
-            "metadata_server": stores.mooncake_metadata,
-            "mooncake_master_server_addr": stores.mooncake_master,
+            "metadata_server": "P2PHANDSHAKE" if alias else stores.mooncake_metadata,
+            "mooncake_master_server_addr": stores.ours if alias else stores.mooncake_master,
             "global_segment_size": 0,
             "local_buffer_size": 256 << 20,
             "protocol": "tcp",
@@ -127,7 +154,7 @@ class System:
     """One LMCache StorageManager whose remote backend is one system's connector."""
 
     def __init__(
-        self, name: str, mode: str, stores: Stores, layers: int, cpu_gib: float, transports: str
+        self, name: str, mode: str, stores: Where, layers: int, cpu_gib: float, transports: str
     ):
         self.name = name
         meta = LMCacheMetadata(
@@ -191,6 +218,17 @@ class System:
                     o.ref_count_down()
         return took
 
+    def round(self, calls: int, batch: int, fill: np.ndarray[Any, Any]) -> dict[str, list[float]]:
+        """``calls`` put+get pairs of ``batch`` chunks (the first get's bytes checked)."""
+        out: dict[str, list[float]] = {"put": [], "get": []}
+        for c in range(calls):
+            keys, objs = self.keys(batch), self.chunks(batch, fill)
+            out["put"].append(self.put(keys, objs))
+            for o in objs:
+                o.ref_count_down()
+            out["get"].append(self.get(keys, fill, check=c == 0))
+        return out
+
     def clear(self) -> None:
         conn = self.backend.connection.getWrappedConnector()
         if self.name.startswith("ours"):
@@ -200,6 +238,110 @@ class System:
 
     def close(self) -> None:
         self.sm.close()
+
+
+class AliasSystem:
+    """:class:`System` ``lmcache-alias`` in a child process (``--worker``), one JSON line per
+    command: the alias switched on there before LMCache imports ``mooncake``."""
+
+    def __init__(self, mode: str, stores: Where, layers: int, cpu_gib: float) -> None:
+        self.name = ALIAS
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed by close())
+        env = {
+            **os.environ,
+            "MOONCAKE_CONNECTORS_AS_MOONCAKE": "1",
+            "MOONCAKE_CONNECTORS_TRANSPORTS": "tcp",
+        }
+        spec = {"mode": mode, "where": asdict(stores), "layers": layers, "cpu_gib": cpu_gib}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"{__package__}.lmcache", "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        try:
+            store = self._call({"cmd": "ready"}, timeout=600)  # imports torch and LMCache
+            if not str(store).startswith("mooncake_connectors."):
+                raise RuntimeError(f"{ALIAS}: LMCache's connector got {store}, not our facade")
+        except BaseException:
+            _stop(self.proc)  # not in the caller's list yet: nobody else would stop it
+            self.log.close()
+            raise
+
+    def _call(self, req: dict[str, Any], timeout: float = 600) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise RuntimeError(f"{ALIAS} worker: no answer to {req['cmd']} within {timeout}s")
+        line = self.proc.stdout.readline()  # one reply line, or EOF when the worker exited
+        reply = json.loads(line) if line else {"error": f"exited rc={self.proc.wait(30)}"}
+        if "error" in reply:
+            self.log.seek(0)
+            tail = self.log.read()[-3000:]
+            raise RuntimeError(f"{ALIAS} worker: {reply['error']}\n{tail}")
+        return reply["ok"]
+
+    def round(self, calls: int, batch: int, fill: np.ndarray[Any, Any]) -> dict[str, list[float]]:
+        seed = int(fill.size)  # the worker rebuilds the same fill from the chunk size
+        out: dict[str, list[float]] = self._call(
+            {"cmd": "round", "calls": calls, "batch": batch, "seed": seed}
+        )
+        return out
+
+    def clear(self) -> None:
+        self._call({"cmd": "clear"})
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self._call({"cmd": "quit"})
+        finally:
+            _stop(self.proc)
+            self.log.close()
+
+
+def _fill(chunk_bytes: int) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(chunk_bytes).integers(0, 256, chunk_bytes, np.uint8)
+
+
+def worker(spec_json: str) -> None:
+    """The ``lmcache-alias`` system's process: commands on stdin, one JSON reply line each."""
+    from ..compat_alias import install_from_env
+
+    if not install_from_env():
+        raise SystemExit("the worker needs MOONCAKE_CONNECTORS_AS_MOONCAKE=1")
+    spec = json.loads(spec_json)
+    system: System | None = None
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if system is None:
+                system = System(
+                    ALIAS, spec["mode"], Where(**spec["where"]), spec["layers"], spec["cpu_gib"], ""
+                )
+            if req["cmd"] == "quit":
+                reply: dict[str, Any] = {"ok": True}
+            elif req["cmd"] == "ready":
+                reply = {
+                    "ok": type(system.backend.connection.getWrappedConnector().store).__module__
+                }
+            elif req["cmd"] == "round":
+                reply = {"ok": system.round(req["calls"], req["batch"], _fill(req["seed"]))}
+            elif req["cmd"] == "clear":
+                system.clear()
+                reply = {"ok": True}
+            else:
+                reply = {"error": f"unknown command {req['cmd']!r}"}
+        except Exception as exc:  # reported to the parent, which stops the run
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+        if req["cmd"] == "quit" or "error" in reply:
+            break
+    if system is not None:
+        system.close()
 
 
 def _summary(lat: list[float], chunk_bytes: int, batch: int) -> dict[str, float]:
@@ -223,6 +365,7 @@ def run(
     modes: list[str],
     transports: str = "shm,tcp",
     tcp_only: bool = True,
+    alias: bool = True,
 ) -> dict[str, Any]:
     stores = Stores(memory)
     cases = []
@@ -232,25 +375,21 @@ def run(
             if layers < 1 or layers * TOKENS * TOKEN_LAYER_BYTES != chunk_bytes:
                 raise SystemExit(f"chunk size {chunk_bytes} is not a multiple of 128 KiB")
             cpu_gib = max(0.1, 2.5 * batch * chunk_bytes / 2**30)
-            fill = np.random.default_rng(chunk_bytes).integers(0, 256, chunk_bytes, np.uint8)
+            fill = _fill(chunk_bytes)
             for mode in modes:
-                systems = [
-                    System(n, mode, stores, layers, cpu_gib, transports)
-                    for n in ("ours", *(("ours-tcp",) if tcp_only else ()), "lmcache")
-                ]
+                systems: list[System | AliasSystem] = []
                 lat: dict[tuple[str, str], list[float]] = {}
                 try:
+                    for n in ("ours", *(("ours-tcp",) if tcp_only else ()), "lmcache"):
+                        systems.append(System(n, mode, stores.where, layers, cpu_gib, transports))
+                    if alias:
+                        systems.append(AliasSystem(mode, stores.where, layers, cpu_gib))
                     for r in range(rounds + 1):  # round 0 warms up
                         for s in systems:
-                            for c in range(calls):
-                                keys, objs = s.keys(batch), s.chunks(batch, fill)
-                                took_put = s.put(keys, objs)
-                                for o in objs:
-                                    o.ref_count_down()
-                                took_get = s.get(keys, fill, check=c == 0)
-                                if r:
-                                    lat.setdefault((s.name, "put"), []).append(took_put)
-                                    lat.setdefault((s.name, "get"), []).append(took_get)
+                            took = s.round(calls, batch, fill)
+                            if r:
+                                for op in ("put", "get"):
+                                    lat.setdefault((s.name, op), []).extend(took[op])
                             s.clear()
                 finally:
                     for s in systems:
@@ -269,6 +408,12 @@ def run(
                             "throughput_ratio": round(ours["gb_per_s"] / theirs["gb_per_s"], 2),
                         }
                     )
+                    if (ALIAS, op) in lat:
+                        via = _summary(lat[(ALIAS, op)], chunk_bytes, batch)
+                        cases[-1]["lmcache_mooncakestore_alias_tcp"] = via
+                        cases[-1]["throughput_ratio_alias"] = round(
+                            via["gb_per_s"] / theirs["gb_per_s"], 2
+                        )
                     if ("ours-tcp", op) in lat:
                         tcp = _summary(lat[("ours-tcp", op)], chunk_bytes, batch)
                         cases[-1]["ours_tcp"] = tcp
@@ -285,6 +430,7 @@ def run(
             "calls_per_round": calls,
             "ours_transports": transports,
             "mooncake_protocol": "tcp",
+            "alias_transports": "tcp" if alias else None,
         },
         "load_average": loadavg(),
         "cases": cases,
@@ -310,8 +456,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_false",
         help="skip the TCP-only run of ours (by default it runs in the same window)",
     )
+    ap.add_argument(
+        "--no-alias",
+        dest="alias",
+        action="store_false",
+        help="skip LMCache's mooncakestore connector on our store through the mooncake alias",
+    )
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # the alias system's child process
     ap.add_argument("-o", "--output", help="also write the JSON here")
     a = ap.parse_args(argv)
+    if a.worker:
+        return worker(a.worker)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not set(modes) <= {"zero-copy", "metadata"} or a.batch < 1 or a.rounds < 1:
         raise SystemExit("modes: zero-copy and/or metadata; batch and rounds >= 1")
@@ -324,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         modes,
         a.ours_transports,
         a.tcp_only,
+        a.alias,
     )
     text = json.dumps(result, indent=2)
     if a.output:
