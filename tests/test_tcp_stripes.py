@@ -169,3 +169,37 @@ def test_bad_stripe_settings_are_refused(bad: dict[str, int]) -> None:
     cfg = EngineConfig(metadata="memory://stripes", transports=("tcp",))
     with pytest.raises(ConfigError, match="stripe"):
         TransferEngine(cfg.replace(transport_settings={"tcp": bad})).start()
+
+
+def test_prepare_readies_a_striped_transfer_before_it_comes(
+    meta: MetadataHTTPServer, peer: tuple[Peer, int]
+) -> None:
+    """``engine.prepare``: the connections and stripe workers of a striped transfer exist
+    before the first one, which then connects nothing and starts no thread."""
+    p, remote = peer
+    with striped(meta) as e:
+        runner = tcp_of(e)._direct
+        e.prepare(p.segment)
+        assert len(runner.threads) == STRIPES - 1
+        assert p.call("connections")["tcp"] >= STRIPES  # the target accepted them already
+        e.prepare(p.segment)  # again: nothing more
+        assert len(runner.threads) == STRIPES - 1
+        assert sum(len(pool) for pool in runner._idle.values()) == STRIPES
+        buf = e.allocate_buffer(SIZE)
+        e.read(p.segment, buf.addr, remote, SIZE, timeout=20)
+        assert np.array_equal(buf.array, pattern(1, SIZE))
+        assert runner.connects == 0 and len(runner.threads) == STRIPES - 1
+
+
+def test_prepare_of_a_peer_gone_is_no_error(
+    meta: MetadataHTTPServer, peer: tuple[Peer, int]
+) -> None:
+    p, _ = peer
+    with striped(meta, connect_timeout=1.0) as e:
+        e.peer(p.segment)  # its descriptor is cached
+        p.signal(signal.SIGSTOP)  # its kernel still accepts; no handshake comes
+        t0 = time.monotonic()
+        e.prepare(p.segment, timeout=0.5)
+        assert time.monotonic() - t0 < 5
+        assert not any(tcp_of(e)._direct._idle.values())  # nothing half-made is pooled
+        e.prepare("no-such-segment", timeout=0.5)  # unknown: nothing to do, no raise
