@@ -112,6 +112,14 @@ def bench_vllm_pd(
             "(--no-pin: only vLLM's own binding of the worker)."
         ),
     ] = True,
+    cold_sizes: Annotated[
+        bool,
+        typer.Option(
+            help="Two short warm-ups only: report each length's first request (the first of "
+            "its size through the fresh engines) apart, and the tail over all requests "
+            "(lengths x rounds >= 24)."
+        ),
+    ] = False,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -136,6 +144,7 @@ def bench_vllm_pd(
             push=push,
             tcp_only=tcp_only,
             pin=pin,
+            cold_sizes=cold_sizes,
             progress=advance,
         )
     emit(result, output)
