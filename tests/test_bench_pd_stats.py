@@ -47,3 +47,16 @@ def test_cold_summary_passes_an_even_run() -> None:
     assert got is not None
     assert got["p99_within_2x_median"] is True and got["max_within_3x_median"] is True
     assert cold_summary({"512": []}) is None
+
+
+@pytest.mark.parametrize(
+    ("lengths", "rounds", "why"),
+    [([512, 1024], 6, "under 24"), ([64, 512, 1024, 2048], 6, "exceed 64"), ([512] * 4, 6, "once")],
+)
+def test_cold_sizes_refuses_runs_that_cannot_show_a_cold_tail(
+    lengths: list[int], rounds: int, why: str
+) -> None:
+    from mooncake_connectors.bench.vllm_pd import run_pd_benchmark
+
+    with pytest.raises(ValueError, match=why):  # before any engine or model is made
+        run_pd_benchmark(lengths=lengths, rounds=rounds, cold_sizes=True, work_dir=None)
