@@ -203,3 +203,25 @@ def test_prepare_of_a_peer_gone_is_no_error(
         assert time.monotonic() - t0 < 5
         assert not any(tcp_of(e)._direct._idle.values())  # nothing half-made is pooled
         e.prepare("no-such-segment", timeout=0.5)  # unknown: nothing to do, no raise
+
+
+def test_prepare_leaves_tcp_alone_where_another_transport_carries_the_bytes(
+    meta: MetadataHTTPServer,
+) -> None:
+    """Same host with shm first: transfers take shm, so tcp opens nothing for them."""
+    p = Peer(metadata=meta.url, transports=["shm", "tcp"])
+    try:
+        remote = p.call("alloc", kind="numpy", size=SIZE, seed=1)["addr"]
+        settings = {"tcp": {"stripes": STRIPES, "stripe_min": 64 * KiB}}
+        cfg = EngineConfig(
+            metadata=meta.url, transports=("shm", "tcp"), transport_settings=settings
+        )
+        with TransferEngine(cfg).start() as e:
+            buf = e.allocate_buffer(SIZE)
+            e.prepare(p.segment)
+            runner = e.transports[1]._direct  # type: ignore[attr-defined]
+            assert not runner.threads and not any(runner._idle.values())
+            e.read(p.segment, buf.addr, remote, SIZE, timeout=20)  # over shm
+            assert np.array_equal(buf.array, pattern(1, SIZE))
+    finally:
+        p.close()

@@ -436,7 +436,23 @@ class TransferEngine:
         except MooncakeConnectorsError as exc:
             log.debug("prepare %s: no descriptor: %s", name, exc)
             return
-        for t in self.transports:
+        # Only the transport each pair of memory kinds takes first (as ``_plan`` picks it): the
+        # others would carry nothing (tcp beside shm on one host).
+        kinds = {r.kind for r in self.local.regions()} or {_CPU}
+        chosen: list[Transport] = []
+        for region in desc.regions:
+            for lkind in kinds:
+                t = next(
+                    (
+                        t
+                        for t in self.transports
+                        if t.serves(lkind, region.kind) and t.reachable(desc, region)
+                    ),
+                    None,
+                )
+                if t is not None and t not in chosen:
+                    chosen.append(t)
+        for t in chosen:
             try:
                 t.prepare(desc, limit)
             except Exception:  # a hook that must not raise did: the transfers set up anew
