@@ -169,3 +169,59 @@ def test_bad_stripe_settings_are_refused(bad: dict[str, int]) -> None:
     cfg = EngineConfig(metadata="memory://stripes", transports=("tcp",))
     with pytest.raises(ConfigError, match="stripe"):
         TransferEngine(cfg.replace(transport_settings={"tcp": bad})).start()
+
+
+def test_prepare_readies_a_striped_transfer_before_it_comes(
+    meta: MetadataHTTPServer, peer: tuple[Peer, int]
+) -> None:
+    """``engine.prepare``: the connections and stripe workers of a striped transfer exist
+    before the first one, which then connects nothing and starts no thread."""
+    p, remote = peer
+    with striped(meta) as e:
+        runner = tcp_of(e)._direct
+        e.prepare(p.segment)
+        assert len(runner.threads) == STRIPES - 1
+        assert p.call("connections")["tcp"] >= STRIPES  # the target accepted them already
+        e.prepare(p.segment)  # again: nothing more
+        assert len(runner.threads) == STRIPES - 1
+        assert sum(len(pool) for pool in runner._idle.values()) == STRIPES
+        buf = e.allocate_buffer(SIZE)
+        e.read(p.segment, buf.addr, remote, SIZE, timeout=20)
+        assert np.array_equal(buf.array, pattern(1, SIZE))
+        assert runner.connects == 0 and len(runner.threads) == STRIPES - 1
+
+
+def test_prepare_of_a_peer_gone_is_no_error(
+    meta: MetadataHTTPServer, peer: tuple[Peer, int]
+) -> None:
+    p, _ = peer
+    with striped(meta, connect_timeout=1.0) as e:
+        e.peer(p.segment)  # its descriptor is cached
+        p.signal(signal.SIGSTOP)  # its kernel still accepts; no handshake comes
+        t0 = time.monotonic()
+        e.prepare(p.segment, timeout=0.5)
+        assert time.monotonic() - t0 < 5
+        assert not any(tcp_of(e)._direct._idle.values())  # nothing half-made is pooled
+        e.prepare("no-such-segment", timeout=0.5)  # unknown: nothing to do, no raise
+
+
+def test_prepare_leaves_tcp_alone_where_another_transport_carries_the_bytes(
+    meta: MetadataHTTPServer,
+) -> None:
+    """Same host with shm first: transfers take shm, so tcp opens nothing for them."""
+    p = Peer(metadata=meta.url, transports=["shm", "tcp"])
+    try:
+        remote = p.call("alloc", kind="numpy", size=SIZE, seed=1)["addr"]
+        settings = {"tcp": {"stripes": STRIPES, "stripe_min": 64 * KiB}}
+        cfg = EngineConfig(
+            metadata=meta.url, transports=("shm", "tcp"), transport_settings=settings
+        )
+        with TransferEngine(cfg).start() as e:
+            buf = e.allocate_buffer(SIZE)
+            e.prepare(p.segment)
+            runner = e.transports[1]._direct  # type: ignore[attr-defined]
+            assert not runner.threads and not any(runner._idle.values())
+            e.read(p.segment, buf.addr, remote, SIZE, timeout=20)  # over shm
+            assert np.array_equal(buf.array, pattern(1, SIZE))
+    finally:
+        p.close()

@@ -60,3 +60,33 @@ def tail(values: list[float]) -> dict[str, float] | None:
     res = {k: round(v, 1) for k, v in out.items()}
     res["p99_over_median"] = round(cuts[98] / med, 2) if med > 0 else float("nan")
     return res
+
+
+def cold_summary(per_length: dict[str, list[float]]) -> dict[str, object] | None:
+    """``bench vllm-pd --cold-sizes``: each length's first request (the first of its size
+    through the fresh pair) apart from the rest of its length (warmed), and the tail over every
+    request, firsts included, against the targets p99 <= 2x median and no request > 3x median.
+    ``per_length``: length -> its requests' ms in the order they ran. None without values."""
+    runs = {k: v for k, v in per_length.items() if v}
+    every = [x for v in runs.values() for x in v]
+    over_all = tail(every)
+    if over_all is None:
+        return None
+    med = statistics.median(every)
+    first = {k: round(v[0], 1) for k, v in runs.items()}
+    warmed = {k: round(statistics.median(v[1:]), 1) for k, v in runs.items() if len(v) > 1}
+    worst = max(every)
+    return {
+        "requests": len(every),
+        "first_of_size_ms": first,
+        "warmed_median_ms": warmed,
+        "first_over_warmed_median": {
+            k: round(v[0] / statistics.median(v[1:]), 2)
+            for k, v in runs.items()
+            if len(v) > 1 and statistics.median(v[1:]) > 0
+        },
+        "all_requests": over_all,
+        "max_over_median": round(worst / med, 2) if med > 0 else float("nan"),
+        "p99_within_2x_median": over_all["p99"] <= 2 * over_all["median"],
+        "max_within_3x_median": worst <= 3 * med,
+    }

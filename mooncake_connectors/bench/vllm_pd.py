@@ -66,7 +66,7 @@ from .launch import (
     stream_completion,
     token_ids,
 )
-from .pd_stats import TransferLog, tail
+from .pd_stats import TransferLog, cold_summary, tail
 from .procs import loadavg
 
 _PATCH = """\
@@ -86,6 +86,12 @@ try:
 except Exception:
     pass
 """
+
+
+# --cold-sizes: the warm-ups before the measured requests (as an outside user's would be)
+COLD_WARMUPS = 2
+COLD_WARMUP_TOKENS = 64
+COLD_MIN_REQUESTS = 24
 
 
 class _Ours:
@@ -186,8 +192,11 @@ class _Theirs:
     name = "vLLM MooncakeConnector (mooncake-transfer-engine wheel, tcp)"
     pair = "theirs"
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, sequential_first: bool = False) -> None:
         self.decode_leg_ms: float | None = None
+        # --cold-sizes: the legs one after the other first, so the first decode leg of a size
+        # is that size's first request through the pair, as ours is
+        self.sequential_first = sequential_first
         self.patch_dir = work / "mooncake-cpu-patch"
         self.patch_dir.mkdir(parents=True, exist_ok=True)
         (self.patch_dir / "sitecustomize.py").write_text(_PATCH)
@@ -226,15 +235,22 @@ class _Theirs:
     def run(
         self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
     ) -> tuple[float, list[int]]:
+        if n >= 0 and self.sequential_first:
+            self._sequential(prefill, decode, prompt, max_tokens, n)
         leg_params, params = self._params(n, prefill)
         out = _both_legs(prefill, decode, prompt, max_tokens, leg_params, params)
-        if n >= 0:  # not a warm-up: the same prompt again, legs one after the other
-            leg_params, params = self._params(n, prefill)
-            completion(prefill.url, prompt, 1, leg_params)  # the prefill holds the blocks
-            self.decode_leg_ms, _ = _stream_decode(
-                decode, prompt, max_tokens, params, time.perf_counter()
-            )
+        if n >= 0 and not self.sequential_first:  # the same prompt again, legs in turn
+            self._sequential(prefill, decode, prompt, max_tokens, n)
         return out
+
+    def _sequential(
+        self, prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int, n: int
+    ) -> None:
+        leg_params, params = self._params(n, prefill)
+        completion(prefill.url, prompt, 1, leg_params)  # the prefill holds the blocks
+        self.decode_leg_ms, _ = _stream_decode(
+            decode, prompt, max_tokens, params, time.perf_counter()
+        )
 
 
 class _Nixl:
@@ -300,10 +316,28 @@ def run_pd_benchmark(
     push: bool = True,
     tcp_only: bool = True,
     pin: bool = True,
+    cold_sizes: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; see the module docstring. Returns a JSON-able dict."""
+    """Run the benchmark; see the module docstring. Returns a JSON-able dict.
+
+    ``cold_sizes``: the engines warm up on :data:`COLD_WARMUPS` prompts of
+    :data:`COLD_WARMUP_TOKENS` tokens only (shorter than every length), so each length's first
+    request is the first of its size through the fresh pair; ``cold_sizes`` in the answer
+    reports it apart from the warmed ones, and the tail over all of them (at least
+    :data:`COLD_MIN_REQUESTS` per system)."""
     from .tiny_model import build
+
+    if cold_sizes:
+        if min(lengths) <= COLD_WARMUP_TOKENS:
+            raise ValueError(f"--cold-sizes: every length must exceed {COLD_WARMUP_TOKENS}")
+        if len(lengths) * rounds < COLD_MIN_REQUESTS:
+            raise ValueError(
+                f"--cold-sizes: {len(lengths)} lengths x {rounds} rounds is under "
+                f"{COLD_MIN_REQUESTS} requests, too few for a p99"
+            )
+        if len(set(lengths)) != len(lengths):
+            raise ValueError("--cold-sizes: each length once")
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-pd-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -318,7 +352,7 @@ def run_pd_benchmark(
         if importlib.util.find_spec("mooncake") is None:
             skipped = "mooncake-transfer-engine wheel not installed"
         else:
-            runners.append(_Theirs(work))
+            runners.append(_Theirs(work, sequential_first=cold_sizes))
     skipped_nixl = None
     if with_nixl:
         if importlib.util.find_spec("nixl") is None:
@@ -339,9 +373,10 @@ def run_pd_benchmark(
         for runner in runners:
             prefill, decode = pairs[runner.pair]
             stats[runner.name] = TransferLog(runner.stats_side(prefill, decode))
-            for w in range(3):  # warm both engines and the connector's connections
-                runner.run(prefill, decode, random_prompt(10_000 + w, 256), 2, -1 - w)
-            stats[runner.name].wait(3, timeout=10)
+            warm_ups, warm_len = (COLD_WARMUPS, COLD_WARMUP_TOKENS) if cold_sizes else (3, 256)
+            for w in range(warm_ups):  # warm both engines and the connector's connections
+                runner.run(prefill, decode, random_prompt(10_000 + w, warm_len), 2, -1 - w)
+            stats[runner.name].wait(warm_ups, timeout=10)
         for length in lengths:
             for runner in runners:  # each system in turn, at each length
                 prefill, decode = pairs[runner.pair]
@@ -401,6 +436,17 @@ def run_pd_benchmark(
         "results": results,
         "logs": str(work),
     }
+    if cold_sizes:
+        out["cold_sizes"] = {
+            r.name: {
+                f"{field.removesuffix('_ms_all')}_ms": cold_summary(
+                    {k: v[field] for k, v in results[r.name].items()}
+                )
+                for field in ("decode_leg_ms_all", "ttft_ms_all")
+            }
+            for r in runners
+        }
+        out["cold_warm_ups"] = {"prompts": COLD_WARMUPS, "tokens": COLD_WARMUP_TOKENS}
     if skipped:
         out["skipped"] = skipped
     if skipped_nixl:

@@ -84,6 +84,10 @@ def bench_transfer(
     emit(result.get("transfer", result) if len(result) == 1 else result, output)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 @bench_app.command("vllm-pd")
 def bench_vllm_pd(
     lengths: Lengths = "512,1024,2048,4096,8192",
@@ -112,16 +116,27 @@ def bench_vllm_pd(
             "(--no-pin: only vLLM's own binding of the worker)."
         ),
     ] = True,
+    cold_sizes: Annotated[
+        bool,
+        typer.Option(
+            help="Two short warm-ups only: report each length's first request (the first of "
+            "its size through the fresh engines) apart, and the tail over all requests "
+            "(lengths x rounds >= 24)."
+        ),
+    ] = False,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
     """vLLM prefill/decode: KV transfer time per request, ours beside vLLM's MooncakeConnector
     and NixlConnector."""
     setup_logging(verbose)
+    import signal
     from pathlib import Path
 
     from ..bench.vllm_pd import run_pd_benchmark
 
+    # SIGTERM (``timeout``) ends the run like Ctrl-C, so its engines are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
     with progress_bar("bench vllm-pd") as advance:
         result = run_pd_benchmark(
             lengths=[int(x) for x in split_csv(lengths)],
@@ -136,6 +151,7 @@ def bench_vllm_pd(
             push=push,
             tcp_only=tcp_only,
             pin=pin,
+            cold_sizes=cold_sizes,
             progress=advance,
         )
     emit(result, output)

@@ -87,6 +87,7 @@ class TransferSession(LayerPush):
         self._clients: list[SideChannelClient] = []
         self._lock = threading.Lock()
         self._layouts: dict[tuple[str, str], WorkerLayout] = {}
+        self._unprepared: list[str] = []  # segments of layouts fetched, whose paths are not ready
         self._silent: dict[str, float] = {}  # side channel -> until when it is taken as down
         self._sending: dict[str, float] = {}  # prefill request id -> lease deadline
         # Done received for a held request: request id -> (first seen, readers, ranks)
@@ -289,7 +290,19 @@ class TransferSession(LayerPush):
             check_compatible(self.layout, layout)
             with self._lock:
                 self._layouts[key] = layout
+                self._unprepared.append(layout.segment)
         return layout
+
+    def _prepare_paths(self) -> None:
+        """After a load (off its path): ready the transfer engine's paths to prefill engines
+        first met in it, so a later, larger load does not set them up (tcp: the connections
+        and threads of a striped read, which a first small load never needed)."""
+        with self._lock:
+            segments, self._unprepared = self._unprepared, []
+        engine = self.engine
+        for segment in segments:
+            if engine is not None:
+                engine.prepare(segment, self.config.handshake_timeout)
 
     def _load(self, spec: RecvSpec) -> None:
         remote = spec.remote
@@ -355,6 +368,8 @@ class TransferSession(LayerPush):
                 with self._lock:
                     self._load_errors.update(failed)
                     self._recv_done.add(spec.request_id)
+            if self._unprepared:
+                self._prepare_paths()
 
     def shutdown(self) -> None:
         if self._server is not None:

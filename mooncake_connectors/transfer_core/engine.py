@@ -422,6 +422,42 @@ class TransferEngine:
         if done[0] is not None:
             raise done[0]
 
+    def prepare(self, name: str, timeout: float | None = None) -> None:
+        """Ready the paths to segment ``name`` ahead of large transfers with it (tcp: the
+        pooled connections and the threads a striped transfer drives), so the first of them
+        pays no setup; blocks for up to about ``timeout`` (else ``connect_timeout``) per
+        connection. Best effort: a peer that cannot be reached now is no error here (its
+        transfers say so)."""
+        if not self._started or self._closed:
+            return
+        limit = self.config.connect_timeout if timeout is None else timeout
+        try:
+            desc = self.peer(name, limit)
+        except MooncakeConnectorsError as exc:
+            log.debug("prepare %s: no descriptor: %s", name, exc)
+            return
+        # Only the transport each pair of memory kinds takes first (as ``_plan`` picks it): the
+        # others would carry nothing (tcp beside shm on one host).
+        kinds = {r.kind for r in self.local.regions()} or {_CPU}
+        chosen: list[Transport] = []
+        for region in desc.regions:
+            for lkind in kinds:
+                t = next(
+                    (
+                        t
+                        for t in self.transports
+                        if t.serves(lkind, region.kind) and t.reachable(desc, region)
+                    ),
+                    None,
+                )
+                if t is not None and t not in chosen:
+                    chosen.append(t)
+        for t in chosen:
+            try:
+                t.prepare(desc, limit)
+            except Exception:  # a hook that must not raise did: the transfers set up anew
+                log.warning("transport %s could not prepare %s", t.name, name, exc_info=True)
+
     def refresh_peer(self, name: str) -> SegmentDesc:
         """Fetch ``name``'s descriptor again (after it registered or unregistered memory)."""
         if self.metadata is None:

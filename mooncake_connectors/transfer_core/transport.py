@@ -221,6 +221,11 @@ class Transport(abc.ABC):
         transfers, a refresh after it changed): prepare what its transfers need, off their
         path (cuda_ipc pins the peer's host buffers here). Must not raise."""
 
+    def prepare(self, peer: SegmentDesc, timeout: float) -> None:  # noqa: B027 - optional hook
+        """The application will move large amounts with ``peer`` soon (``engine.prepare``):
+        open now, within ``timeout``, what a transfer would otherwise set up on first need
+        (tcp: the connections and threads of a striped transfer). Must not raise."""
+
     def abort(self, peer_name: str, lane: int) -> None:  # noqa: B027 - optional hook
         """Tear down a lane whose slice missed its deadline, so no late bytes land."""
 

@@ -361,6 +361,14 @@ class TcpTransport(Transport):
     def lanes(self, peer: SegmentDesc) -> int:
         return self._lane_count
 
+    def prepare(self, peer: SegmentDesc, timeout: float) -> None:
+        addr = peer.endpoints.get("tcp")
+        if addr is None or self._closed:
+            return
+        if TLS_ENDPOINT in peer.endpoints and self.ctx.config.tls is None:
+            return  # its transfers are refused (with the reason)
+        self._direct.prepare(peer.name, addr, min(timeout, self.ctx.config.connect_timeout))
+
     def submit(
         self, peer: SegmentDesc, slices: Sequence[Slice], *, inline_ok: bool = False
     ) -> None:

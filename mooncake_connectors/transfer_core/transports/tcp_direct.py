@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import socket
@@ -48,6 +49,7 @@ _GRACE = 2.0  # seconds past the deadline a caller waits for a worker's portion
 KERNEL_MAX = 1.0
 
 Connect = Callable[[str, str, str, float], socket.socket]
+log = logging.getLogger(__name__)
 
 
 class Direct:
@@ -224,6 +226,7 @@ class DirectRunner:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._workers = 0
         self.threads: list[threading.Thread] = []  # the stripe workers started (for tests)
+        self.connects = 0  # connections a transfer had to open itself (none pooled)
         self._closed = False
 
     def run(
@@ -245,16 +248,7 @@ class DirectRunner:
     ) -> MooncakeConnectorsError | None:
         parts = portions(slices, self.stripes)
         jobs = [_Job(peer, addr, p) for p in parts[1:]]
-        with self._lock:
-            closed = self._closed
-            start = 0 if closed else max(0, len(jobs) - self._workers)
-            self._workers += start
-        for _ in range(start):
-            worker = threading.Thread(
-                target=self._work, name=f"mc-tcp-stripe-{len(self.threads)}", daemon=True
-            )
-            self.threads.append(worker)
-            worker.start()
+        self._start_workers(len(jobs))
         for job in jobs:
             self._jobs.put(job)
         self.run_on(peer, addr, parts[0])
@@ -283,6 +277,47 @@ class DirectRunner:
             if report:
                 s.complete(err)
         return None if report else result
+
+    def _start_workers(self, want: int) -> None:
+        """At least ``want`` stripe workers running (none once closed)."""
+        with self._lock:
+            start = 0 if self._closed else max(0, want - self._workers)
+            self._workers += start
+        for _ in range(start):
+            worker = threading.Thread(
+                target=self._work, name=f"mc-tcp-stripe-{len(self.threads)}", daemon=True
+            )
+            self.threads.append(worker)
+            worker.start()
+            log.debug("tcp direct: stripe worker %s started", worker.name)
+
+    def prepare(self, peer: str, addr: str, timeout: float) -> int:
+        """Before the first transfer that needs them: the stripe workers, and as many idle
+        connections to ``addr`` pooled as a striped transfer drives at once, so the first large
+        transfer to a peer neither starts threads nor connects and handshakes (each a round of
+        interpreter-lock hand-offs on a busy engine's process at both ends). Returns the
+        connections opened; stops at the first that fails (a transfer then connects anew)."""
+        if self.stripes > 1:
+            self._start_workers(self.stripes - 1)
+        key = (peer, addr)
+        want = min(self.stripes, _POOL)
+        opened = 0
+        path = f"tcp {addr} direct"
+        for _ in range(want):
+            with self._lock:
+                if self._closed or len(self._idle.get(key, ())) >= want:
+                    break
+            t0 = time.perf_counter()
+            try:
+                sock = self.connect(peer, addr, path, time.monotonic() + timeout)
+            except MooncakeConnectorsError as exc:
+                log.debug("tcp direct: preparing connections to %s failed: %s", addr, exc)
+                break
+            ms = 1e3 * (time.perf_counter() - t0)
+            log.debug("tcp direct: connected to %s ahead of transfers in %.1f ms", addr, ms)
+            self._park(key, Direct(sock, path))
+            opened += 1
+        return opened
 
     def _await(self, job: _Job, deadline: float) -> None:
         """Wait for a worker's portion. Its socket timeouts follow the deadline, so this
@@ -324,6 +359,7 @@ class DirectRunner:
         conn = self._take(key)
         if conn is None:
             path = f"tcp {addr} direct"
+            t0 = time.perf_counter()
             try:
                 sock = self.connect(peer, addr, path, deadline)
             except MooncakeConnectorsError as exc:
@@ -333,6 +369,9 @@ class DirectRunner:
                     s.complete(exc)
                 return None
             conn = Direct(sock, path)
+            self.connects += 1
+            ms = 1e3 * (time.perf_counter() - t0)
+            log.debug("tcp direct: connected to %s in a transfer in %.1f ms", addr, ms)
         if job is not None:
             job.conn = conn
         conn.deadline = deadline
