@@ -229,9 +229,12 @@ def test_run_in_this_thread_reports_each_request(link: Link, kind: str) -> None:
     refused = TransferRequest(TransferOp.WRITE, seg, link.local.addr, link.remote["readonly"], 16)
     batch = e.run([*writes[:20], refused, *writes[20:]], timeout=20)
     assert batch.done()
-    assert batch.statuses == [TransferStatus.COMPLETED] * 20 + [TransferStatus.FAILED] + [
-        TransferStatus.COMPLETED
-    ] * 20
+    assert (
+        batch.statuses
+        == [TransferStatus.COMPLETED] * 20
+        + [TransferStatus.FAILED]
+        + [TransferStatus.COMPLETED] * 20
+    )
     assert isinstance(batch.errors[20], AccessViolation)
     assert link.digest(base, n * count) == sha(written)
     assert link.digest(link.remote["readonly"], 16) != sha(written[:16])
