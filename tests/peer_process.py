@@ -95,6 +95,21 @@ def main() -> None:
                 assert engine is not None and msg["op"] in ("read", "write")
                 getattr(engine, msg["op"])(msg["peer"], msg["local"], msg["remote"], msg["length"])
                 reply = {}
+            elif cmd == "batch":  # one engine.transfer of many requests (a KV block scatter)
+                assert engine is not None and msg["op"] in ("read", "write")
+                from mooncake_connectors.transfer_core.engine import TransferRequest
+                from mooncake_connectors.types import TransferOp
+
+                op = TransferOp.READ if msg["op"] == "read" else TransferOp.WRITE
+                engine.transfer(
+                    [TransferRequest(op, msg["peer"], lo, ro, n) for lo, ro, n in msg["blocks"]]
+                )
+                reply = {}
+            elif cmd == "rdma_compiled":  # which data path each rdma NIC runs
+                assert engine is not None
+                t = next(t for t in engine.transports if t.name == "rdma")
+                nics = t.nics  # type: ignore[attr-defined]
+                reply = {"compiled": {n: s.nic.compiled for n, s in nics.items()}}
             elif cmd == "rail_stats":  # the rdma transport's rails to a peer
                 assert engine is not None
                 t = next(t for t in engine.transports if t.name == "rdma")

@@ -44,6 +44,13 @@ def bench_transfer(
     rdma_verbs: Annotated[
         str, typer.Option(help="rdma: the verbs module (pyverbs; fake_verbs for the test fake).")
     ] = "pyverbs",
+    rdma_fast: Annotated[
+        bool,
+        typer.Option(
+            help="rdma: CPU per WR and per request of the compiled and the pyverbs data path, "
+            "and a vLLM-shaped scatter (run it over the emulated NIC in instant mode)."
+        ),
+    ] = False,
     tls: Annotated[
         bool, typer.Option(help="Also run tcp over mutual TLS (a fresh development CA).")
     ] = False,
@@ -60,6 +67,14 @@ def bench_transfer(
 
     names = [t.strip() for t in transports.split(",") if t.strip()]
     result: dict[str, object] = {}
+    if "rdma" in names and rdma_fast:
+        from ..bench.rdma_fast import run_rdma_fast
+
+        names.remove("rdma")
+        with progress_bar("bench transfer (rdma, compiled and pyverbs)") as advance:
+            result["rdma_fast"] = run_rdma_fast(
+                [parse_size(s) for s in sizes.split(",") if s.strip()], rounds, progress=advance
+            )
     if "rdma" in names:
         from ..bench.rdma import run_rdma_overhead
 

@@ -17,6 +17,8 @@
  *  - PSNs: each WR advances both sides by its packet count; a mismatch never completes;
  *  - path MTU both ways: a WRITE larger than the responder's path MTU is NAKed as an invalid
  *    request; a READ whose responses exceed the requester's path MTU never completes;
+ *  - a bounded send queue: a post beyond max_send_wr WRs not yet vouched for by a polled CQE
+ *    is ENOMEM, more SGEs than max_send_sge EINVAL, a QP not in RTS (or ERR) EINVAL;
  *  - a bounded CQ: one more CQE than it holds overruns it and every poll after that fails;
  *    destroying a QP removes its CQEs, as mlx5 does; device caps (max_cqe, max_qp_wr, rd_atom)
  *    settable, what exceeds them refused.
@@ -28,6 +30,7 @@
  * in bytes (256..4096); a GID table changes at run time through a file (gid_knob); FAKE_IBV_TC / FAKE_IBV_SL: the one traffic class (RoCE) / service level
  * (IB) the fabric carries, the rest is dropped (retried out); flags "routed" (a routed fabric), "down" (port DOWN), "nogid" (an empty GID table), joined by +. FAKE_IBV_HOST (default: the pid) makes this process's GIDs and
  * LIDs; FAKE_IBV_FABRIC names the fabric (a shared file in /dev/shm) processes meet on. The
+ * FAKE_IBV_INSTANT=1 checks every WR as above but moves no bytes (CPU-cost benchmarks). The
  * one-sided data moves with process_vm_readv/writev into the peer process's registered memory.
  */
 #define _GNU_SOURCE
@@ -105,7 +108,18 @@ static struct fabric *fab;
 static int fab_fd = -1;
 static pthread_mutex_t big = PTHREAD_MUTEX_INITIALIZER; /* this process's objects */
 
-static int alive(int pid) { return pid > 0 && (pid == getpid() || kill(pid, 0) == 0 || errno != ESRCH); }
+/* getpid() without a system call per WR (reset in a forked child) */
+static int my_pid;
+static void forget_pid(void) { my_pid = 0; }
+static int self_pid(void)
+{
+	if (!my_pid) {
+		pthread_atfork(NULL, NULL, forget_pid);
+		my_pid = getpid();
+	}
+	return my_pid;
+}
+static int alive(int pid) { return pid > 0 && (pid == self_pid() || kill(pid, 0) == 0 || errno != ESRCH); }
 
 static void lock(void) { pthread_mutex_lock(&big); flock(fab_fd, LOCK_EX); }
 static void unlock(void) { flock(fab_fd, LOCK_UN); pthread_mutex_unlock(&big); }
@@ -302,6 +316,16 @@ int ibv_get_device_index(struct ibv_device *d) { return fdev_of(d) - devs; }
 struct fcqe {
 	struct ibv_wc wc;
 	double ready_at; /* a failed retry shows after the time the NIC spends retrying */
+	struct fqp *qp;	 /* whose send queue slots this CQE frees when polled */
+	uint64_t seq;	 /* the WR's place in that send queue */
+};
+/* A QP as this process holds it: the verbs struct first, then its send queue accounting. A
+ * send queue holds max_send_wr WRs: a slot frees once a CQE of that WR or of a later one on
+ * the QP is polled (RC completes in order), as on hardware; a post past it is ENOMEM. */
+struct fqp {
+	struct ibv_qp qp;
+	uint32_t max_send_wr, max_send_sge;
+	uint64_t posted, done;
 };
 struct fcq {
 	struct ibv_cq cq;
@@ -316,7 +340,7 @@ static double now(void)
 	return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static void push_cqe(struct fcq *cq, struct ibv_wc *wc, double delay) /* under lock */
+static void push_cqe(struct fcq *cq, struct ibv_wc *wc, double delay, struct fqp *qp, uint64_t seq) /* under lock */
 {
 	if (cq->count >= cq->cq.cqe) {
 		cq->overrun = 1; /* a real CQ overrun: the CQ is in error from now on */
@@ -324,7 +348,9 @@ static void push_cqe(struct fcq *cq, struct ibv_wc *wc, double delay) /* under l
 	}
 	struct fcqe *e = &cq->ring[(cq->head + cq->count++) % cq->cq.cqe];
 	e->wc = *wc;
-	e->ready_at = now() + delay;
+	e->ready_at = delay > 0 ? now() + delay : 0;
+	e->qp = qp;
+	e->seq = seq;
 }
 
 static int fake_poll_cq(struct ibv_cq *ibcq, int n, struct ibv_wc *wc)
@@ -336,9 +362,12 @@ static int fake_poll_cq(struct ibv_cq *ibcq, int n, struct ibv_wc *wc)
 		pthread_mutex_unlock(&big);
 		return -EOVERFLOW;
 	}
-	double t = now();
+	double t = cq->count ? now() : 0;
 	while (got < n && cq->count && cq->ring[cq->head].ready_at <= t) {
-		wc[got++] = cq->ring[cq->head].wc;
+		struct fcqe *e = &cq->ring[cq->head];
+		if (e->qp->done < e->seq)
+			e->qp->done = e->seq;
+		wc[got++] = e->wc;
 		cq->head = (cq->head + 1) % cq->cq.cqe;
 		cq->count--;
 	}
@@ -668,7 +697,10 @@ struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *init)
 		errno = ENOMEM;
 		return NULL;
 	}
-	struct ibv_qp *qp = calloc(1, sizeof(*qp));
+	struct fqp *fq = calloc(1, sizeof(*fq));
+	struct ibv_qp *qp = &fq->qp;
+	fq->max_send_wr = init->cap.max_send_wr;
+	fq->max_send_sge = init->cap.max_send_sge ? init->cap.max_send_sge : 1;
 	qp->context = pd->context;
 	qp->qp_context = init->qp_context;
 	qp->pd = pd;
@@ -835,6 +867,7 @@ int ibv_query_qp(struct ibv_qp *qp, struct ibv_qp_attr *a, int mask, struct ibv_
 /* ---- the wire ---------------------------------------------------------------------------- */
 static uint32_t packets(uint64_t len, int mtu) { return len ? (len + mtu_bytes(mtu) - 1) / mtu_bytes(mtu) : 1; }
 
+static int instant(void);
 /* The responder QP our WR reaches, or NULL when the fabric would not deliver it. */
 static struct rqp *route(struct rqp *me)
 {
@@ -845,13 +878,16 @@ static struct rqp *route(struct rqp *me)
 		if (q->qpn != me->dest_qpn || !alive(q->pid))
 			continue;
 		struct rdev *dst = &fab->dev[q->dev];
-		if (!alive(dst->pid) || dst->link != src->link || port_down(src) || port_down(dst))
+		/* instant mode leaves out the run-time knobs (files looked up per WR) */
+		if (!alive(dst->pid) || dst->link != src->link ||
+		    (!instant() && (port_down(src) || port_down(dst))))
 			return NULL;
 		if (src->link == LINK_IB && me->dlid != dst->lid)
 			return NULL;
 		if (me->is_global) {
 			int hit = -1;
-			gid_knob(dst);
+			if (!instant())
+				gid_knob(dst);
 			for (int g = 0; g < ngid(dst); g++)
 				if (gid_ok(dst, g) && !memcmp(dst->gid[g], me->dgid, 16))
 					hit = g;
@@ -875,7 +911,7 @@ static struct rqp *route(struct rqp *me)
 
 static int move(int pid, uint64_t raddr, void *laddr, size_t len, int write)
 {
-	if (pid == getpid()) {
+	if (pid == self_pid()) {
 		if (write)
 			memmove((void *)(uintptr_t)raddr, laddr, len);
 		else
@@ -887,6 +923,27 @@ static int move(int pid, uint64_t raddr, void *laddr, size_t len, int write)
 	return n == (ssize_t)len ? 0 : -1;
 }
 
+/* FAKE_IBV_INSTANT=1: a WR that passes every check completes without its bytes moving, as a NIC
+ * that spends no CPU would; what is left is the CPU of the code above (benchmarks only). */
+static int instant(void)
+{
+	static int v = -1;
+	if (v < 0) {
+		const char *s = getenv("FAKE_IBV_INSTANT");
+		v = s && *s && *s != '0';
+	}
+	return v;
+}
+static double retry_scale(void)
+{
+	static double v = -1;
+	if (v < 0) {
+		const char *s = getenv("FAKE_IBV_RETRY_SCALE");
+		v = s && *s ? atof(s) : 1.0;
+	}
+	return v;
+}
+
 /* One WR, under the lock: its completion status (and the delay a NIC would take to report it). */
 static int execute(struct ibv_qp *qp, struct rqp *me, struct ibv_send_wr *wr, double *delay)
 {
@@ -896,12 +953,11 @@ static int execute(struct ibv_qp *qp, struct rqp *me, struct ibv_send_wr *wr, do
 	if (wr->num_sge != 1)
 		return IBV_WC_LOC_LEN_ERR; /* the emulation models one SGE */
 	struct ibv_sge *sge = wr->sg_list;
-	struct rmr *l = find_mr(getpid(), sge->lkey);
+	struct rmr *l = find_mr(self_pid(), sge->lkey);
 	if (!l || l->pd != qp->pd->handle || sge->addr < l->addr || sge->addr + sge->length > l->addr + l->length ||
 	    (!write && !(l->access & IBV_ACCESS_LOCAL_WRITE)))
 		return IBV_WC_LOC_PROT_ERR;
-	const char *s = getenv("FAKE_IBV_RETRY_SCALE");
-	double retry = 4.096e-6 * (1 << me->timeout) * (me->retry_cnt + 1) * (s ? atof(s) : 1.0);
+	double retry = 4.096e-6 * (1 << me->timeout) * (me->retry_cnt + 1) * retry_scale();
 	struct rqp *peer = route(me);
 	if (!peer) {
 		*delay = retry;
@@ -924,7 +980,7 @@ static int execute(struct ibv_qp *qp, struct rqp *me, struct ibv_send_wr *wr, do
 	    wr->wr.rdma.remote_addr < r->addr || wr->wr.rdma.remote_addr + sge->length > r->addr + r->length)
 		return IBV_WC_REM_ACCESS_ERR;
 	void *local = (void *)(uintptr_t)(l->base + (sge->addr - l->addr));
-	if (move(peer->pid, r->base + (wr->wr.rdma.remote_addr - r->addr), local, sge->length, write))
+	if (!instant() && move(peer->pid, r->base + (wr->wr.rdma.remote_addr - r->addr), local, sge->length, write))
 		return IBV_WC_REM_ACCESS_ERR;
 	me->sq_psn = (me->sq_psn + npkt) & 0xffffff;
 	peer->rq_psn = (peer->rq_psn + npkt) & 0xffffff;
@@ -933,6 +989,7 @@ static int execute(struct ibv_qp *qp, struct rqp *me, struct ibv_send_wr *wr, do
 
 static int fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
 {
+	struct fqp *fq = (struct fqp *)qp;
 	lock();
 	struct rqp *me = &fab->qp[qp->handle];
 	if (me->state != IBV_QPS_RTS && me->state != IBV_QPS_ERR) {
@@ -942,6 +999,16 @@ static int fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_
 	}
 	struct fcq *cq = (struct fcq *)qp->send_cq;
 	for (; wr; wr = wr->next) {
+		/* what the provider refuses before the WR reaches the send queue: a full queue, more
+		 * SGEs than the QP was made with (the WR and those after it are not posted) */
+		if (fq->posted - fq->done >= fq->max_send_wr || wr->num_sge < 0 ||
+		    (uint32_t)wr->num_sge > fq->max_send_sge) {
+			int rc = fq->posted - fq->done >= fq->max_send_wr ? ENOMEM : EINVAL;
+			unlock();
+			*bad = wr;
+			return rc;
+		}
+		uint64_t seq = ++fq->posted;
 		double delay = 0;
 		int st = me->state == IBV_QPS_ERR ? IBV_WC_WR_FLUSH_ERR : execute(qp, me, wr, &delay);
 		if (st != IBV_WC_SUCCESS)
@@ -953,7 +1020,7 @@ static int fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_
 			wc.opcode = wr->opcode == IBV_WR_RDMA_WRITE ? IBV_WC_RDMA_WRITE : IBV_WC_RDMA_READ;
 			wc.byte_len = wr->num_sge ? wr->sg_list->length : 0;
 			wc.qp_num = qp->qp_num;
-			push_cqe(cq, &wc, delay);
+			push_cqe(cq, &wc, delay, fq, seq);
 		}
 	}
 	unlock();

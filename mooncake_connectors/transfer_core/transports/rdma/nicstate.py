@@ -38,12 +38,12 @@ class NicState:
             target=self._poll_loop, name=f"mc-rdma-poll-{nic.name}", daemon=True
         )
 
-    def take(self) -> bool:
-        """Promise one CQ slot to a WR about to be posted; False when the CQ could fill."""
+    def take(self, n: int = 1) -> bool:
+        """Promise ``n`` CQ slots to the WRs about to be posted; False when the CQ could fill."""
         with self.lock:
-            if self.credits <= 0:
+            if self.credits < n:
                 return False
-            self.credits -= 1
+            self.credits -= n
             return True
 
     def give(self, n: int, kick: bool = True) -> None:
@@ -59,13 +59,15 @@ class NicState:
     def busy(self) -> bool:
         return any(r.outstanding for r in list(self.rails.values()))
 
-    def poll_once(self) -> bool:
+    def poll_once(self, spin: bool = False) -> bool:
         """Poll the CQ once and hand completions to their rails; True if there were any.
-        The poller thread calls this, and so does a caller that waits for its slices anyway."""
+        The poller thread calls this (``spin``: on the compiled path it spins in C, without
+        the GIL, a bounded time while the CQ is empty), and so does a caller that waits for
+        its slices anyway (no spin: it checks its own slices between polls)."""
         if self.dead is not None:
             return False
         try:
-            comps = self.nic.poll(64)
+            comps = self.nic.poll(64, spin)
         except TransportBroken as exc:
             self.vanished(exc)
             return False
@@ -108,7 +110,7 @@ class NicState:
                 self.wake.wait(0.2)
                 self.wake.clear()
                 continue
-            if self.poll_once():
+            if self.poll_once(spin=True):
                 idle = 0
             else:
                 idle += 1

@@ -47,9 +47,10 @@ INVALID_REQUEST_CAUSES = (
 
 
 class Work:
-    """One attempt of one engine slice: done when all its work requests are."""
+    """One attempt of one engine slice, or of adjacent slices coalesced into one range
+    (``more``: the others, completed with it): done when all its work requests are."""
 
-    __slots__ = ("done", "left", "lock", "peer", "preferred", "remote_near", "slice")
+    __slots__ = ("done", "left", "lock", "more", "peer", "preferred", "remote_near", "slice")
 
     def __init__(
         self,
@@ -66,6 +67,7 @@ class Work:
         self.lock = threading.Lock()
         self.preferred = preferred  # local NICs nearest the local memory
         self.remote_near = remote_near  # the peer's NICs nearest the remote memory (or none)
+        self.more: tuple[Slice, ...] = ()
 
     def finish_one(self, err: MooncakeConnectorsError | None) -> None:
         with self.lock:
@@ -76,11 +78,14 @@ class Work:
                 return
             self.done = True
         self.slice.complete(err)
+        for s in self.more:
+            s.complete(err)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class WR:
-    """One RDMA READ or WRITE of at most the rdma slice size."""
+    """One RDMA READ or WRITE of at most the rdma slice size, or (``part`` > 0, the compiled
+    path) a run of ``parts`` of them, ``part`` bytes each, posted as one chain."""
 
     work: Work
     laddr: int
@@ -92,6 +97,8 @@ class WR:
     tried: set[int] = dataclasses.field(default_factory=set)  # rails it was posted on (ids)
     wr_id: int = 0
     posted_at: float = 0.0
+    part: int = 0  # bytes per WR of a run; 0: one WR of ``length``
+    parts: int = 1  # WRs (send queue and CQ slots) it takes
 
     def end(self, err: MooncakeConnectorsError | None) -> None:
         self.mr.release()
@@ -121,13 +128,14 @@ class Rail:
         self.qp: Any = None
         self.qpn = -1
         self.outstanding: collections.deque[WR] = collections.deque()
+        self.held = 0  # send queue slots of the outstanding requests (a run takes its parts)
         self.queue: collections.deque[WR] = collections.deque()
         self.queued_bytes = 0  # posted or waiting
         self.bw = initial_bw  # bytes/s, measured
         self.measured = False
         self.busy_since = 0.0
         self.posts = 0
-        self.carried = 0  # requests completed on this rail (for tests and stats)
+        self.carried = 0  # WRs completed on this rail (for tests and stats)
         self.closed = False
         self.gen = 0  # bumped when the rail breaks: a connect begun before it is stale
 
@@ -157,41 +165,63 @@ class Rail:
         # caller holds self.lock
         o = self.owner
         nic = self.nic.nic
-        posted = False
+        name, remote = nic.name, self.remote_nic
         limit = min(o.max_wr, nic.max_qp_wr)
-        while self.queue and len(self.outstanding) < limit and self.nic.take():
-            wr = self.queue.popleft()
-            self.posts += 1
-            # The last WR posted for now asks for a completion, or nothing would free its
-            # slots: the queue is empty, the QP is full, or the CQ has no slot left.
+        batch: list[tuple[bool, tuple[int, ...]]] = []
+        now = time.monotonic()
+        queue = self.queue
+        while queue and self.held + queue[0].parts <= limit and self.nic.take(queue[0].parts):
+            wr = queue.popleft()
+            p = wr.parts
+            before = self.posts
+            self.posts += p
+            self.held += p
+            # The last request posted for now asks for a completion, or nothing would free its
+            # slots: the queue is empty, the next does not fit the QP or the CQ's free slots.
             signaled = (
-                self.posts % o.signal_every == 0
-                or not self.queue
-                or len(self.outstanding) + 1 >= limit
-                or self.nic.credits == 0
+                self.posts // o.signal_every != before // o.signal_every
+                or not queue
+                or self.held + queue[0].parts > limit
+                or self.nic.credits < queue[0].parts
             )
             wr.wr_id = next(_ids)
-            wr.posted_at = time.monotonic()
+            wr.posted_at = now
             if not self.outstanding:
-                self.busy_since = wr.posted_at
+                self.busy_since = now
             self.outstanding.append(wr)
-            try:
-                nic.post(
-                    self.qp,
-                    wr.wr_id,
+            batch.append(
+                (
                     wr.work.slice.op is TransferOp.WRITE,
-                    wr.mr.local_addr(nic.name, wr.laddr),
-                    wr.length,
-                    wr.mr.lkey(nic.name),
-                    wr.raddr + wr.shift.get(self.remote_nic, 0),
-                    wr.rkeys[self.remote_nic],
-                    signaled,
+                    (
+                        wr.wr_id,
+                        wr.mr.local_addr(name, wr.laddr),
+                        wr.mr.lkey(name),
+                        wr.raddr + wr.shift.get(remote, 0),
+                        wr.rkeys[remote],
+                        wr.length,
+                        wr.part or max(wr.length, 1),
+                        signaled,
+                    ),
                 )
+            )
+        if not batch:
+            return None
+        # one chain (one doorbell on the compiled path) per run of requests of the same op
+        i = 0
+        while i < len(batch):
+            write = batch[i][0]
+            j = i
+            while j < len(batch) and batch[j][0] is write:
+                j += 1
+            runs = [r for _, r in batch[i:j]]
+            try:
+                n = nic.post_runs(self.qp, write, runs)
             except MooncakeConnectorsError as exc:
-                return exc  # broke() gives its slot back with the other outstanding ones
-            posted = True
-        if posted:
-            self.nic.wake.set()
+                return exc  # broke() gives its slots back with the other outstanding ones
+            if n < len(runs):
+                return TransportBroken(f"post_send on {name} refused a work request")
+            i = j
+        self.nic.wake.set()
         return None
 
     def kick(self) -> None:
@@ -260,6 +290,7 @@ class Rail:
                 while self.outstanding:
                     wr = self.outstanding.popleft()
                     self.queued_bytes -= wr.length
+                    self.held -= wr.parts
                     if wr.wr_id != c.wr_id:
                         ok.append(wr)
                         continue
@@ -276,8 +307,8 @@ class Rail:
                 self.bw = sample if not self.measured else 0.7 * self.bw + 0.3 * sample
                 self.measured = True
                 self.busy_since = now
-            self.carried += len(ok)
-            freed = len(ok) + (bad is not None)
+            self.carried += sum(w.parts for w in ok)  # WRs, a run counting its parts
+            freed = sum(w.parts for w in ok) + (bad.parts if bad is not None else 0)
             self.nic.give(freed, kick=False)  # this rail posts again just below, others after
             failed = self._pump() if bad is None and self.state == READY else None
         if freed:
@@ -338,7 +369,8 @@ class Rail:
             self.nic.rails.pop(self.qpn, None)
             self.qpn = -1
             self.state = IDLE
-            held = len(self.outstanding)  # ``first`` gave its slot back in completed()
+            held = self.held  # ``first`` gave its slots back in completed()
+            self.held = 0
             orphans = ([first] if first is not None else []) + list(self.outstanding)
             orphans += list(self.queue)
             self.outstanding.clear()

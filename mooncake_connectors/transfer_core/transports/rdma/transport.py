@@ -244,15 +244,24 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         by_rail: dict[int, tuple[Rail, list[WR]]] = {}
         extra: dict[int, int] = {}
         works: list[Work] = []
-        for s in slices:
+        for s, more in coalesce(slices, self._run_bytes(size)):
             s.path = "rdma"
+            for m in more:
+                m.path = "rdma"
             try:
-                wrs = self._cut(s, size, p)
+                wrs = self._cut(s, size, p, more)
             except MooncakeConnectorsError as exc:
-                s.complete(exc)
-                continue
-            if wrs:
-                works.append(wrs[0].work)
+                if not more:
+                    s.complete(exc)
+                    continue
+                # a coalesced range was refused: cut its slices one by one, each its own error
+                wrs = []
+                for one in (s, *more):
+                    try:
+                        wrs += self._cut(one, size, p)
+                    except MooncakeConnectorsError as exc1:
+                        one.complete(exc1)
+            works.extend({id(w.work): w.work for w in wrs}.values())
             for wr in wrs:
                 rail = self._pick(wr, p.rails, now, extra)
                 if rail is None:
@@ -285,23 +294,50 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
                 if any(wr.work in works for wr in [*r.outstanding, *r.queue]):
                     r.broke(TransportBroken("deadline passed", path=r.path), cool=False)
 
-    def _cut(self, s: Slice, size: int, peer: _Peer) -> list[WR]:
+    def _run_bytes(self, size: int) -> int:
+        """Bytes per request the rails queue: one WR of ``size`` on the pyverbs path; on the
+        compiled path a run of WRs posted as one chain, at most a quarter of what a QP or the
+        smallest CQ holds (so a run always fits once the rail drains)."""
+        states = list(self.nics.values())
+        if not states or not all(st.nic.compiled for st in states):
+            return size
+        slots = min(min(self.max_wr, st.nic.max_qp_wr, st.nic.cq_size) for st in states)
+        return size * max(1, slots // 4)
+
+    def _cut(self, s: Slice, size: int, peer: _Peer, more: tuple[Slice, ...] = ()) -> list[WR]:
+        """Cut ``s`` (with ``more``, adjacent slices coalesced after it) into requests."""
         region, name = s.region, peer.desc.name
-        if region is None or not region.contains(s.remote_addr, s.length):
+        length = s.length + sum(m.length for m in more)
+        if region is None or not region.contains(s.remote_addr, length):
             raise AccessViolation("remote range outside the peer's region", peer=name, path="rdma")
-        local = self.ctx.local.find(s.local_addr, s.length)
+        local = self.ctx.local.find(s.local_addr, length)
         if local is None or self.registry is None:
             raise AccessViolation("local range is not registered", peer=name, path="rdma")
         mr = self.registry.get(local)
         near = frozenset(self.topology.preferred(mr.where(), list(self.nics)))
-        work = Work(s, -(-s.length // size), near, peer, frozenset(region.rdma_near))
+        run = self._run_bytes(size)
+        if run > size:
+            # spread a request over the rails it may use: at least one run per rail
+            rails = max(1, len(peer.rails))
+            share = -(-length // rails)  # bytes per rail, rounded up to whole WRs
+            run = min(run, max(size, -(-share // size) * size))
+        work = Work(s, -(-length // run), near, peer, frozenset(region.rdma_near))
+        work.more = more
         rkeys = region.rdma_rkeys
         # a peer's dma-buf MR is addressed from its iova: the shift from its address, per NIC
         shift = {n: base - region.addr for n, base in region.rdma_iova.items()}
-        wrs = [
-            WR(work, s.local_addr + o, s.remote_addr + o, min(size, s.length - o), mr, rkeys, shift)
-            for o in range(0, s.length, size)
-        ]
+        la, ra = s.local_addr, s.remote_addr
+        if run == size:
+            wrs = [
+                WR(work, la + o, ra + o, min(size, length - o), mr, rkeys, shift)
+                for o in range(0, length, size)
+            ]
+        else:
+            wrs = []
+            for o in range(0, length, run):
+                n = min(run, length - o)
+                wrs.append(WR(work, la + o, ra + o, n, mr, rkeys, shift, part=size,
+                              parts=-(-n // size)))  # fmt: skip
         mr.acquire(len(wrs))
         return wrs
 
@@ -365,3 +401,34 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             }
             for r in (p.rails if p is not None else [])
         }
+
+
+def coalesce(slices: Sequence[Slice], limit: int) -> list[tuple[Slice, tuple[Slice, ...]]]:
+    """Adjacent slices (same op, same deadline, local and remote ranges each continuing the
+    previous one, as a layer's KV blocks often are) joined into one range of at most ``limit``
+    bytes: each entry is the first slice and the ones that continue it."""
+    out: list[tuple[Slice, tuple[Slice, ...]]] = []
+    if not slices:
+        return out
+    head = slices[0]
+    tail: list[Slice] = []
+    end_l, end_r, total = head.local_addr + head.length, head.remote_addr + head.length, head.length
+    for s in slices[1:]:
+        if (
+            s.local_addr == end_l
+            and s.remote_addr == end_r
+            and s.op is head.op
+            and s.region is head.region
+            and s.deadline == head.deadline
+            and total + s.length <= limit
+        ):
+            tail.append(s)
+            end_l += s.length
+            end_r += s.length
+            total += s.length
+            continue
+        out.append((head, tuple(tail)))
+        head, tail = s, []
+        end_l, end_r, total = s.local_addr + s.length, s.remote_addr + s.length, s.length
+    out.append((head, tuple(tail)))
+    return out

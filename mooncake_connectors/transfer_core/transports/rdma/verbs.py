@@ -80,6 +80,7 @@ class Verbs:
 
     def __init__(self, module: str = "pyverbs") -> None:
         self.lib = load(module)
+        self.module = module
         e = self.lib.e
         self.WC_SUCCESS = int(e.IBV_WC_SUCCESS)
         # Completion statuses that are final for the request (access rights or bounds):
@@ -116,8 +117,17 @@ class Verbs:
             )
         return names
 
-    def open(self, name: str, port: int, gid_index: int = -1) -> Nic:
-        """Open ``name``; ``gid_index`` -1 picks this NIC's GID itself (Nic.probe_gid)."""
+    def open(self, name: str, port: int, gid_index: int = -1, compiled: bool = True) -> Nic:
+        """Open ``name``; ``gid_index`` -1 picks this NIC's GID itself (Nic.probe_gid). Its
+        data path is the compiled one (fastverbs.FastNic) where ``compiled``, this module is
+        the real pyverbs and ``_rdma_fast`` is built, else pyverbs'."""
+        from .fastverbs import fast_module
+
+        fast = fast_module() if compiled and self.module == "pyverbs" else None
+        if fast is not None:
+            from .fastverbs import FastNic
+
+            return FastNic(self, name, port, gid_index, fast)
         return Nic(self, name, port, gid_index)
 
     def check_memlock(self, minimum: int) -> None:
@@ -163,10 +173,16 @@ class Nic:
                 self.gid_index = self.probe_gid(table_len)
             self.gid = str(self.ctx.query_gid(port, self.gid_index))
             self._caps(self.ctx.query_device())
-            self.pd = lib.PD(self.ctx)
-            self.cq = lib.CQ(self.ctx, self.cq_size)
+            self._open_data()
         except lib.PyverbsError as exc:
             raise ConfigError(f"RDMA device {name} cannot be opened: {exc}", nic=name) from None
+
+    compiled = False  # the data path of fastverbs.FastNic (compiled) or this one (pyverbs)
+
+    def _open_data(self) -> None:
+        """The PD and the CQ the data path uses (here pyverbs'; FastNic makes its own)."""
+        self.pd = self.lib.PD(self.ctx)
+        self.cq = self.lib.CQ(self.ctx, self.cq_size)
 
     def _caps(self, dev: Any) -> None:
         """What this device allows, from ibv_query_device: a QP, CQ or rd_atomic depth above
@@ -391,7 +407,25 @@ class Nic:
         except lib.PyverbsError as exc:
             raise TransportBroken(f"post_send on {self.name} failed: {exc}") from None
 
-    def poll(self, n: int) -> list[Completion]:
+    def post_runs(self, qp: Any, write: bool, runs: list[tuple[int, ...]]) -> int:
+        """Post ``runs`` (wr_id, laddr, lkey, raddr, rkey, length, part, signaled), each cut
+        into WRs of at most ``part`` bytes; returns how many went out whole (TransportBroken
+        when none did). pyverbs: one post_send per WR, as ``post``."""
+        for i, (wr_id, laddr, lkey, raddr, rkey, length, part, signaled) in enumerate(runs):
+            try:
+                for off in range(0, max(length, 1), part):
+                    last = off + part >= length
+                    n = min(part, length - off)
+                    self.post(qp, wr_id, write, laddr + off, n, lkey, raddr + off, rkey,
+                              bool(signaled) and last)  # fmt: skip
+            except TransportBroken:
+                if i == 0:
+                    raise
+                return i
+        return len(runs)
+
+    def poll(self, n: int, spin: bool = False) -> list[Completion]:
+        """Up to ``n`` completions (``spin``: only the compiled path spins, FastNic.poll)."""
         ok = self.verbs.WC_SUCCESS
         try:
             with self.lock:
