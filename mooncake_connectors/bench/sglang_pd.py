@@ -23,6 +23,7 @@ the like-for-like figure is ours_tcp's.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import os
 import queue
@@ -262,9 +263,11 @@ def run_sglang_pd_benchmark(
         pool = max(src + dst) + 2
         pairs: dict[str, Pair] = {}
         try:
-            for system in chosen:
-                try:
-                    pairs[system] = Pair(
+            # Started at once (importing SGLang dominates a start), then all alive side by side.
+            with concurrent.futures.ThreadPoolExecutor(len(chosen)) as pool_starter:
+                starts = {
+                    system: pool_starter.submit(
+                        Pair,
                         system,
                         layers=layers,
                         heads=heads,
@@ -272,10 +275,15 @@ def run_sglang_pd_benchmark(
                         page_tokens=tokens,
                         pages=pool,
                     )
-                except (RuntimeError, TimeoutError) as exc:
-                    if system != "mooncake":
-                        raise
-                    notes.append(f"mooncake not run: {str(exc).splitlines()[0]}")
+                    for system in chosen
+                }
+                for system, fut in starts.items():
+                    try:
+                        pairs[system] = fut.result()
+                    except (RuntimeError, TimeoutError) as exc:
+                        if system != "mooncake":
+                            raise
+                        notes.append(f"mooncake not run: {str(exc).splitlines()[0]}")
             samples: dict[str, list[float]] = {s: [] for s in pairs}
             order = list(pairs)
             for r in range(rounds + 1):
