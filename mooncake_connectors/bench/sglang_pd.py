@@ -240,6 +240,53 @@ def _pages(n: int, run: int, offset: int) -> list[int]:
     return out[:n]
 
 
+def _ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    ratios: dict[str, dict[str, float]] = {"ours_tcp_vs_mooncake": {}, "ours_vs_mooncake": {}}
+    for case, row in results.items():
+        for ours in ("ours_tcp", "ours"):
+            if ours in row and "mooncake" in row:
+                ratios[f"{ours}_vs_mooncake"][case] = round(
+                    row[ours]["gb_s"] / row["mooncake"]["gb_s"], 2
+                )
+    return ratios
+
+
+def _pattern_benchmark(
+    cases: str, pages: int, run: int, requests: int, rounds: int, chosen: list[str]
+) -> dict[str, Any]:
+    from .sglang_pd_pattern import run_pattern
+
+    results: dict[str, Any] = {}
+    for case in [c.strip() for c in cases.split(",") if c.strip()]:
+        if case not in GEOMETRIES:
+            raise ValueError(f"unknown case {case!r}; choose from {', '.join(GEOMETRIES)}")
+        layers, heads, dim, tokens = GEOMETRIES[case]
+        row = run_pattern(
+            systems=chosen,
+            layers=layers,
+            item=tokens * heads * dim * 2,
+            src=_pages(pages, run, 0),
+            dst=_pages(pages, run, 1),
+            requests=requests,
+            rounds=rounds,
+        )
+        results[case] = {"layers": layers, "pages_per_request": pages, "contiguous_run": run, **row}
+    return {
+        "benchmark": "sglang-pd --pattern",
+        "what": (
+            "the batch_transfer_sync_write calls SGLang's Mooncake PD sender issues for one "
+            "request (every K/V layer buffer x each run of pages, then the aux row), from this "
+            "process to a target process, on the same Mooncake-API script for each engine; "
+            "SGLang itself not involved"
+        ),
+        "rounds": rounds,
+        "requests_per_round": requests,
+        "results": results,
+        "ratios": _ratios(results),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
 def run_sglang_pd_benchmark(
     *,
     cases: str = "small,llama8b",
@@ -248,11 +295,14 @@ def run_sglang_pd_benchmark(
     requests: int = 5,
     rounds: int = 3,
     systems: str = ",".join(SYSTEMS),
+    pattern: bool = False,
 ) -> dict[str, Any]:
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     bad = [s for s in chosen if s not in SYSTEMS]
     if bad:
         raise ValueError(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    if pattern:
+        return _pattern_benchmark(cases, pages, run, requests, rounds, chosen)
     notes: list[str] = []
     results: dict[str, Any] = {}
     for case in [c.strip() for c in cases.split(",") if c.strip()]:
@@ -319,13 +369,7 @@ def run_sglang_pd_benchmark(
         finally:
             for p in pairs.values():
                 p.close()
-    ratios: dict[str, dict[str, float]] = {"ours_tcp_vs_mooncake": {}, "ours_vs_mooncake": {}}
-    for case, row in results.items():
-        for ours in ("ours_tcp", "ours"):
-            if ours in row and "mooncake" in row:
-                ratios[f"{ours}_vs_mooncake"][case] = round(
-                    row[ours]["gb_s"] / row["mooncake"]["gb_s"], 2
-                )
+    ratios = _ratios(results)
     return {
         "benchmark": "sglang-pd",
         "what": (

@@ -442,6 +442,12 @@ def bench_sglang_pd(
     systems: Annotated[
         str, typer.Option(help="Systems: ours, ours_tcp, mooncake (comma-separated).")
     ] = "ours,ours_tcp,mooncake",
+    pattern: Annotated[
+        bool,
+        typer.Option(
+            help="Only the engine calls SGLang's sender issues (no SGLang processes; fast)."
+        ),
+    ] = False,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -451,7 +457,13 @@ def bench_sglang_pd(
     from ..bench.sglang_pd import run_sglang_pd_benchmark
 
     result = run_sglang_pd_benchmark(
-        cases=cases, pages=pages, run=run, requests=requests, rounds=rounds, systems=systems
+        cases=cases,
+        pages=pages,
+        run=run,
+        requests=requests,
+        rounds=rounds,
+        systems=systems,
+        pattern=pattern,
     )
     emit(result, output)
 
