@@ -459,6 +459,46 @@ def bench_sglang(
     typer.echo(text)
 
 
+@bench_app.command("sglang-pd")
+def bench_sglang_pd(
+    cases: Annotated[
+        str, typer.Option(help="KV geometries: small, llama8b (comma-separated).")
+    ] = "small,llama8b",
+    pages: Annotated[int, typer.Option(min=1, max=256, help="Pages per request.")] = 16,
+    run: Annotated[
+        int, typer.Option(min=1, max=256, help="Consecutive pages per run of indices.")
+    ] = 4,
+    requests: Annotated[int, typer.Option(min=1, max=1000, help="Requests per round.")] = 5,
+    rounds: Annotated[int, typer.Option(min=1, max=100, help="Measured rounds (+1 warm-up).")] = 3,
+    systems: Annotated[
+        str, typer.Option(help="Systems: ours, ours_tcp, mooncake (comma-separated).")
+    ] = "ours,ours_tcp,mooncake",
+    pattern: Annotated[
+        bool,
+        typer.Option(
+            help="Only the engine calls SGLang's sender issues (no SGLang processes; fast)."
+        ),
+    ] = False,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """SGLang's Mooncake PD classes (prefill and decode processes) on our facade (the alias) and
+    on Mooncake's wheel (needs SGLang installed)."""
+    setup_logging(verbose)
+    from ..bench.sglang_pd import run_sglang_pd_benchmark
+
+    result = run_sglang_pd_benchmark(
+        cases=cases,
+        pages=pages,
+        run=run,
+        requests=requests,
+        rounds=rounds,
+        systems=systems,
+        pattern=pattern,
+    )
+    emit(result, output)
+
+
 @bench_app.command("p2p")
 def bench_p2p(
     ns: Annotated[str, typer.Option(help="Fetcher counts, comma-separated.")] = "2,4,8",
