@@ -244,9 +244,21 @@ class Loopback:
         )
         return [line.split(":")[1].strip() for line in r.stdout.splitlines() if ":" in line]
 
+    def pids(self) -> list[int]:
+        """The processes in the namespace (all started in it by the test)."""
+        r = subprocess.run(
+            ["ip", "netns", "pids", self.name], capture_output=True, text=True, timeout=TIMEOUT
+        )
+        return [int(p) for p in r.stdout.split() if p.isdigit()]
+
     def close(self) -> None:
+        """Kill what is left in the namespace (a run killed at its timeout leaves its children
+        behind), then delete it."""
         if self._made:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                for pid in self.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 ip("netns", "del", self.name)
             self._made = False
 
