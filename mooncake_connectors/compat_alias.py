@@ -128,8 +128,9 @@ def install_as_mooncake() -> None:
     shadowed = _shadowed()
     sys.meta_path.insert(0, MooncakeAlias())
     log.warning(
-        "mooncake alias on: %s resolve to mooncake_connectors%s",
+        "mooncake alias on: %s resolve to mooncake_connectors in pid %d%s",
         ", ".join(EXPORTS),
+        os.getpid(),
         f" (shadowing the Mooncake installed at {shadowed})" if shadowed else "",
     )
 

@@ -210,3 +210,60 @@ class Hosts:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class Loopback:
+    """One network namespace with only loopback up: a process run in it (:meth:`argv`) may bind
+    a wildcard address (``0.0.0.0``), which then reaches nothing but that namespace's own ``lo``.
+    The name carries a random tag; :meth:`close` deletes it, also after a failed start."""
+
+    def __init__(self) -> None:
+        self.name = f"mcs-{uuid.uuid4().hex[:6]}-lo"
+        self._made = False
+
+    def start(self) -> Loopback:
+        try:
+            ip("netns", "add", self.name)
+            self._made = True
+            ip("link", "set", "lo", "up", ns=self.name)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def argv(self, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+    def links(self) -> list[str]:
+        """The namespace's interfaces that are up."""
+        r = subprocess.run(
+            ["ip", "-n", self.name, "-o", "link", "show", "up"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        return [line.split(":")[1].strip() for line in r.stdout.splitlines() if ":" in line]
+
+    def pids(self) -> list[int]:
+        """The processes in the namespace (all started in it by the test)."""
+        r = subprocess.run(
+            ["ip", "netns", "pids", self.name], capture_output=True, text=True, timeout=TIMEOUT
+        )
+        return [int(p) for p in r.stdout.split() if p.isdigit()]
+
+    def close(self) -> None:
+        """Kill what is left in the namespace (a run killed at its timeout leaves its children
+        behind), then delete it."""
+        if self._made:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                for pid in self.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                ip("netns", "del", self.name)
+            self._made = False
+
+    def __enter__(self) -> Loopback:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -33,7 +33,9 @@ from typing import Any
 from .ports import clashes, describe_clash, free_port, reported
 from .procs import CLI
 
-ENGINE_START_TIMEOUT = 300.0  # two engines starting at once on two shared cores are slow
+# Two engines starting at once on two shared cores are slow; on a machine loaded by other work
+# a start can take longer still: MOONCAKE_CONNECTORS_ENGINE_START_TIMEOUT (seconds) sets it.
+ENGINE_START_TIMEOUT = float(os.environ.get("MOONCAKE_CONNECTORS_ENGINE_START_TIMEOUT") or 300.0)
 PORT_ATTEMPTS = 3  # starts of a server whose reserved port was taken before it bound it
 FRESH_PORT = "<fresh port>"  # a VllmServer env or kv extra-config value: reserved per start
 

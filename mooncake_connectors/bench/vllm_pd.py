@@ -31,6 +31,14 @@ Ours runs with its default transports and, by default, TCP only as well (``tcp_o
 like-for-like column against Mooncake's tcp. Every system's engine pair is up at once and the
 systems take turns at each prompt length, so machine noise hits all alike.
 
+``with_mooncake_on_ours`` (CLI ``--mooncake-on-ours``) adds the same vLLM ``MooncakeConnector``,
+unmodified, on our transfer engine through the ``mooncake`` alias, TCP only: beside the wheel's
+row, the cost of the engine underneath alone. Its rows (as the wheel's) carry
+``decode_external_hit_tokens``, the prompt tokens the decode counted as loaded
+(``vllm:external_prefix_cache_hits_total``), beside ``decode_prompt_tokens_sent``. vLLM's
+MooncakeConnector starts a bootstrap server on ``0.0.0.0`` in its prefill; run these two under
+``ip netns exec`` in a namespace with only ``lo`` up to keep that bind off the host's networks.
+
 Each engine's whole process tree (API server, engine core, worker) is confined to its core
 (``pin``, the default). vLLM binds only the worker's compute threads; left alone, the API
 server and the engine core (the scheduler) float onto the other engine's core, where that
@@ -57,6 +65,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..config import ALIAS_ENV, TRANSPORTS_ENV
 from ..pd import params as pdp
 from .launch import (
     FRESH_PORT,
@@ -68,6 +77,8 @@ from .launch import (
 )
 from .pd_stats import TransferLog, cold_summary, tail
 from .procs import loadavg
+
+HITS = "vllm:external_prefix_cache_hits_total"
 
 _PATCH = """\
 # Written by mooncake-connectors bench vllm-pd for vLLM's MooncakeConnector on a CPU-only torch.
@@ -205,7 +216,7 @@ class _Theirs:
         return {
             "kv_connector": "MooncakeConnector",
             "kv_role": role,
-            "engine_id": f"bench-{role}",
+            "engine_id": f"{self.pair}-{role}",
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
         }
 
@@ -226,7 +237,7 @@ class _Theirs:
         leg_params = {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
         params = {
             "do_remote_prefill": True,
-            "remote_engine_id": "bench-kv_producer",
+            "remote_engine_id": f"{self.pair}-kv_producer",
             "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}",
             "transfer_id": tid,
         }
@@ -251,6 +262,18 @@ class _Theirs:
         self.decode_leg_ms, _ = _stream_decode(
             decode, prompt, max_tokens, params, time.perf_counter()
         )
+
+
+class _TheirsOnOurs(_Theirs):
+    """The same vLLM ``MooncakeConnector``, unmodified, on our transfer engine: the ``mooncake``
+    alias on (``from mooncake.engine import TransferEngine`` gets our facade), TCP only, as
+    Mooncake's ``tcp`` (the facade would reach a same-host peer through shared memory)."""
+
+    name = "vLLM MooncakeConnector on mooncake-connectors (mooncake alias, tcp)"
+    pair = "mooncake-connector-on-ours"
+
+    def env(self, role: str) -> dict[str, str]:
+        return super().env(role) | {ALIAS_ENV: "1", TRANSPORTS_ENV: "tcp"}
 
 
 class _Nixl:
@@ -307,7 +330,9 @@ def run_pd_benchmark(
     rounds: int = 3,
     max_tokens: int = 16,
     with_mooncake: bool = True,
+    with_mooncake_on_ours: bool = False,
     with_nixl: bool = True,
+    ours: bool = True,
     model: Path | None = None,
     layers: int = 4,
     kv_heads: int = 4,
@@ -342,10 +367,10 @@ def run_pd_benchmark(
     work = Path(work_dir or tempfile.mkdtemp(prefix="mc-bench-vllm-pd-"))
     work.mkdir(parents=True, exist_ok=True)
     model = model or build(work / "model", layers=layers, kv_heads=kv_heads)
-    runners: list[Any] = [_Ours(list(transports))]
-    if tcp_only and tuple(transports) != ("tcp",):
+    runners: list[Any] = [_Ours(list(transports))] if ours else []
+    if ours and tcp_only and tuple(transports) != ("tcp",):
         runners.append(_Ours(["tcp"]))
-    if push:
+    if ours and push:
         runners.append(_OursPush(list(transports)))
     skipped = None
     if with_mooncake:
@@ -353,6 +378,10 @@ def run_pd_benchmark(
             skipped = "mooncake-transfer-engine wheel not installed"
         else:
             runners.append(_Theirs(work, sequential_first=cold_sizes))
+    if with_mooncake_on_ours:  # needs no wheel: the alias stands in for it
+        runners.append(_TheirsOnOurs(work, sequential_first=cold_sizes))
+    if not runners:
+        raise ValueError("no system to run: every one is switched off")
     skipped_nixl = None
     if with_nixl:
         if importlib.util.find_spec("nixl") is None:
@@ -381,6 +410,7 @@ def run_pd_benchmark(
             for runner in runners:  # each system in turn, at each length
                 prefill, decode = pairs[runner.pair]
                 ttft, legs, same, times = [], [], [], []
+                hits_before, sent = decode.metric(HITS), 0
                 for r in range(rounds):
                     prompt = random_prompt(length * 100 + r, length)
                     ms, ids = runner.run(prefill, decode, prompt, max_tokens, r)
@@ -394,6 +424,7 @@ def run_pd_benchmark(
                     if getattr(runner, "sent_at", None):
                         times.append([round(t, 4) for t in runner.sent_at])
                     same.append(ids == reference[key])
+                    sent += length * (2 if isinstance(runner, _Theirs) and r >= 0 else 1)
                     done += 1
                     if progress:
                         progress(done, total)
@@ -410,6 +441,9 @@ def run_pd_benchmark(
                     "decode_leg_ms_all": [round(x, 1) for x in legs],
                     "decode_leg_tail": tail(legs),
                     "tokens_identical": all(same),
+                    # prompt tokens the decode took from the prefill, as vLLM counts them
+                    "decode_external_hit_tokens": decode.metric(HITS) - hits_before,
+                    "decode_prompt_tokens_sent": sent,
                 }
                 if times:  # to line requests up with the engines' logs
                     results[runner.name][str(length)]["sent_at_unix"] = times
@@ -435,6 +469,9 @@ def run_pd_benchmark(
         "load_average": loadavg(),
         "results": results,
         "logs": str(work),
+        "engine_logs": {
+            r.name: [str(s.log_path) for s in pairs[r.pair]] for r in runners if r.pair in pairs
+        },
     }
     if cold_sizes:
         out["cold_sizes"] = {
@@ -459,7 +496,7 @@ def run_pd_benchmark(
         if a not in names or b not in names:
             return None
         x, y = results[names[a]], results[names[b]]
-        return {k: round(x[k][field] / y[k][field], 3) for k in x if y[k][field]}
+        return {k: round(x[k][field] / y[k][field], 3) for k in x if x[k][field] and y[k][field]}
 
     for label, a, b, field in (
         ("transfer_ratio_ours_over_theirs", _Ours, _Theirs, "transfer_ms"),
@@ -467,6 +504,9 @@ def run_pd_benchmark(
         ("ttft_ratio_ours_over_theirs", _Ours, _Theirs, "ttft_ms"),
         ("ttft_ratio_push_over_theirs", _OursPush, _Theirs, "ttft_ms"),
         ("ttft_ratio_push_over_pull", _OursPush, _Ours, "ttft_ms"),
+        ("transfer_ratio_on_ours_over_theirs", _TheirsOnOurs, _Theirs, "transfer_ms"),
+        ("ttft_ratio_on_ours_over_theirs", _TheirsOnOurs, _Theirs, "ttft_ms"),
+        ("decode_leg_ratio_on_ours_over_theirs", _TheirsOnOurs, _Theirs, "decode_leg_ms"),
     ):
         got = ratio(a, b, field)
         if got is not None:

@@ -111,9 +111,17 @@ def bench_vllm_pd(
     mooncake: Annotated[
         bool, typer.Option(help="Also run vLLM's MooncakeConnector when Mooncake's wheel is there.")
     ] = True,
+    mooncake_on_ours: Annotated[
+        bool,
+        typer.Option(
+            help="Also run vLLM's MooncakeConnector on our transfer engine (the mooncake alias, "
+            "tcp). Its prefill's bootstrap server binds 0.0.0.0: run under `ip netns exec`."
+        ),
+    ] = False,
     nixl: Annotated[
         bool, typer.Option(help="Also run vLLM's NixlConnector (CPU buffer) when nixl is there.")
     ] = True,
+    ours: Annotated[bool, typer.Option(help="Run our MooncakeConnectorsPD.")] = True,
     layers: Layers = 4,
     kv_heads: KvHeads = 4,
     work_dir: WorkDir = None,
@@ -158,7 +166,9 @@ def bench_vllm_pd(
             rounds=rounds,
             max_tokens=max_tokens,
             with_mooncake=mooncake,
+            with_mooncake_on_ours=mooncake_on_ours,
             with_nixl=nixl,
+            ours=ours,
             layers=layers,
             kv_heads=kv_heads,
             work_dir=Path(work_dir) if work_dir else None,
