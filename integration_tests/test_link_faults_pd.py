@@ -99,8 +99,8 @@ def pd() -> Iterator[tuple[TransferSession, TransferSession, dict, dict, FaultLi
 def load(dec: TransferSession, side: FaultLink, req: str, local: list[int]) -> bool:
     """One pull of prefill blocks 20..26; True when it succeeded, False on load errors."""
     remote = PullParams(
-        "prefill-engine", "p-" + req, tuple(range(20, 27)), 100, prompt_hash(PROMPT),
-        (f"tcp://{side.address}",), 1, 1e12,
+        "prefill-engine", "p-" + req, 100, prompt_hash(PROMPT),
+        (f"tcp://{side.address}",), 1, 1e12, tuple(range(20, 27)),
     )  # fmt: skip
     t0 = time.monotonic()
     dec.start_load_kv(StepPlan(recv=[RecvSpec(req, local, list(range(20, 27)), remote)]))

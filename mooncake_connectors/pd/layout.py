@@ -134,6 +134,19 @@ def check_compatible(local: WorkerLayout, remote: WorkerLayout) -> None:
         )
     if remote.dtype != local.dtype:
         raise ConfigError(f"KV dtype differs: prefill {remote.dtype}, decode {local.dtype}")
+    if (remote.groups, remote.group_kinds) != (local.groups, local.group_kinds):
+
+        def describe(lay: WorkerLayout) -> str:
+            if lay.groups is None:
+                return "one KV cache group"
+            kinds = lay.group_kinds or ["?"] * len(lay.groups)
+            sizes = [f"{k} x{len(g)}" for k, g in zip(kinds, lay.groups, strict=False)]
+            return f"KV cache groups {sizes}"
+
+        raise ConfigError(
+            f"KV cache groups differ: prefill has {describe(remote)}, decode {describe(local)} "
+            "(hybrid KV cache manager on one side only, or another model?)"
+        )
     theirs = {lay.name: lay for lay in remote.layers}
     ours = {lay.name: lay for lay in local.layers}
     if theirs.keys() != ours.keys():

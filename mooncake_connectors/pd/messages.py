@@ -53,6 +53,10 @@ class WorkerLayout(msgspec.Struct, frozen=True):
     block_size: int  # tokens per (scheduler) block
     dtype: str
     layers: Annotated[list[LayerLayout], msgspec.Meta(max_length=MAX_LAYERS)]
+    # vLLM's hybrid KV cache manager: the engine's layer names of each KV cache group, and each
+    # group's kind ("full", or "sliding:<window tokens>"); None: one group of every layer.
+    groups: Annotated[list[list[str]], msgspec.Meta(max_length=MAX_LAYERS)] | None = None
+    group_kinds: Annotated[list[str], msgspec.Meta(max_length=MAX_LAYERS)] | None = None
 
 
 class LayoutRequest(msgspec.Struct, tag="layout"):

@@ -34,6 +34,7 @@ PUSH_ID_MAX = 128  # a push id names prefill-side state: a bounded key
 
 _Channels = Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
 _TpSize = Annotated[int, msgspec.Meta(ge=1)]
+_BlockId = Annotated[int, msgspec.Meta(ge=0)]
 _ENGINE_KEYS = {
     "engine_id": "remote_engine_id",
     "side_channels": "remote_side_channels",
@@ -79,6 +80,7 @@ class PullParams(
     | {
         "request_id": "remote_request_id",
         "block_ids": "remote_block_ids",
+        "group_block_ids": "remote_group_block_ids",
         "num_tokens": "remote_num_tokens",
         "prompt_hash": "remote_prompt_hash",
         "expires_at": "remote_expires_at",
@@ -88,21 +90,37 @@ class PullParams(
 
     ``block_ids`` hold the first ``num_tokens`` prompt tokens, whose :func:`prompt_hash` is
     ``prompt_hash``; the prefill frees them at ``expires_at`` (wall clock, s) at the latest.
+    With several KV cache groups (vLLM's hybrid KV cache manager) ``group_block_ids`` holds each
+    group's block ids instead (0, vLLM's null block, where a sliding-window group already freed
+    a block) and ``block_ids`` is absent, so a decode that knows only one group refuses the
+    params (missing ``remote_block_ids``) instead of reading one group's blocks for every layer.
     """
 
     engine_id: str
     request_id: str
-    block_ids: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
     num_tokens: Annotated[int, msgspec.Meta(ge=0)]
     prompt_hash: str
     side_channels: _Channels
     tp_size: _TpSize
     expires_at: float
+    block_ids: tuple[_BlockId, ...] | None = None
+    group_block_ids: (
+        Annotated[tuple[tuple[_BlockId, ...], ...], msgspec.Meta(min_length=2)] | None
+    ) = None
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 
     def __post_init__(self) -> None:
         _check_channels(self.side_channels, self.tp_size)
+        if (self.block_ids is None) == (self.group_block_ids is None):
+            raise ValueError("exactly one of remote_block_ids, remote_group_block_ids")
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Each KV cache group's block ids (one group: ``block_ids``)."""
+        if self.group_block_ids is not None:
+            return self.group_block_ids
+        assert self.block_ids is not None
+        return (self.block_ids,)
 
 
 class PushParams(msgspec.Struct, frozen=True, rename=_ENGINE_KEYS):

@@ -39,6 +39,9 @@ class RecvSpec:
     remote_block_ids: list[int]
     remote: PullParams
     error: str | None = None
+    # Several KV cache groups: per group, (local, remote) block ids to copy for that group's
+    # layers only (null blocks left out); ``local_block_ids`` then lists every group's.
+    groups: list[tuple[list[int], list[int]]] | None = None
 
 
 @dataclasses.dataclass
@@ -83,14 +86,31 @@ class StepPlan:
     push_send: list[PushSendStep] = dataclasses.field(default_factory=list)
 
 
+NULL_BLOCK = 0  # vLLM's null block: a sliding-window group's place holder for a freed block
+
+
 def loadable_tokens(
-    request_id: str, prompt: Sequence[int] | None, remote: PullParams, block_size: int
+    request_id: str,
+    prompt: Sequence[int] | None,
+    remote: PullParams,
+    block_size: int,
+    num_groups: int = 1,
 ) -> int:
     """Prompt tokens whose KV the prefill holds for exactly this prompt (0: none usable)."""
+    groups = remote.groups()
+    if len(groups) != num_groups:
+        log.warning(
+            "request %s: the prefill sent blocks of %d KV cache groups, this instance has %d "
+            "(hybrid KV cache manager on one side only?); recomputing",
+            request_id,
+            len(groups),
+            num_groups,
+        )
+        return 0
     if (
         prompt is None
         or not 0 < remote.num_tokens <= len(prompt)
-        or len(remote.block_ids) < cdiv(remote.num_tokens, block_size)
+        or any(len(g) < cdiv(remote.num_tokens, block_size) for g in groups)
     ):
         return 0
     if prompt_hash(prompt[: remote.num_tokens]) != remote.prompt_hash:
@@ -129,7 +149,44 @@ def recv_spec(
     if error is not None:  # fail safe: the whole load is recomputed
         spec.error = error
     else:
+        assert remote.block_ids is not None
         spec.remote_block_ids = list(remote.block_ids[start:end])
+    return spec
+
+
+def recv_spec_groups(
+    request_id: str,
+    remote: PullParams,
+    matched: int,
+    num_external: int,
+    groups: Sequence[Sequence[int]],
+    block_size: int,
+) -> RecvSpec:
+    """:func:`recv_spec` for several KV cache groups: ``groups`` are each group's allocated
+    block ids (:data:`NULL_BLOCK` where vLLM put its null block). A block that is null on the
+    decode side is not read; one the decode needs but the prefill already freed (null there)
+    fails the load."""
+    spec = RecvSpec(request_id, [], [], remote)
+    if num_external <= 0 or matched <= 0:
+        return spec
+    theirs = remote.groups()
+    pairs: list[tuple[list[int], list[int]]] = []
+    for g, (local, rem) in enumerate(zip(groups, theirs, strict=True)):
+        start, end, error = _window(matched, num_external, local, block_size)
+        lo, ro = [], []
+        for i in range(start, min(end, len(local), len(rem))):
+            if local[i] == NULL_BLOCK:
+                continue
+            lo.append(local[i])
+            ro.append(rem[i])
+            if rem[i] == NULL_BLOCK and spec.error is None:
+                spec.error = f"KV cache group {g}: block {i} was already freed by the prefill"
+        if error is not None and spec.error is None:
+            spec.error = f"KV cache group {g}: {error}"
+        spec.local_block_ids.extend(lo)
+        pairs.append((lo, ro))
+    if spec.error is None:
+        spec.groups = pairs
     return spec
 
 
@@ -159,17 +216,20 @@ def handover(
     request_id: str,
     prompt: Sequence[int],
     num_tokens: int,
-    block_ids: Sequence[int],
+    groups: Sequence[Sequence[int]],
     side_channels: Sequence[str],
     block_size: int,
     lease: float,
 ) -> PullParams:
     """The params a finished prefill request answers with: its first ``num_tokens`` prompt
-    tokens' blocks, kept for ``lease`` seconds."""
+    tokens' blocks of each KV cache group (``groups``), kept for ``lease`` seconds."""
+    n = cdiv(num_tokens, block_size)
+    ids = tuple(tuple(g[:n]) for g in groups)
     return PullParams(
         engine_id=engine_id,
         request_id=request_id,
-        block_ids=tuple(block_ids[: cdiv(num_tokens, block_size)]),
+        block_ids=ids[0] if len(ids) == 1 else None,
+        group_block_ids=ids if len(ids) > 1 else None,
         num_tokens=num_tokens,
         prompt_hash=prompt_hash(prompt[:num_tokens]),
         side_channels=tuple(side_channels),

@@ -70,6 +70,8 @@ class TransferSession(LayerPush):
         num_blocks: int,
         num_kv_heads: int = 0,
         stats: SessionStats,
+        groups: list[list[str]] | None = None,
+        group_kinds: list[str] | None = None,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
@@ -99,6 +101,10 @@ class TransferSession(LayerPush):
         self._load_errors: set[int] = set()
         self.stats = stats
         self._layer_names: dict[str, list[str]] = {}  # engine layer -> its entries in our layout
+        # several KV cache groups: each group's engine layer names and kind (None: one group)
+        self.groups = groups
+        self.group_kinds = group_kinds
+        self._group_entries: list[set[str]] = []  # per group, its entries in our layout
         self._init_push()
 
     # -- setup -------------------------------------------------------------------------------
@@ -113,6 +119,13 @@ class TransferSession(LayerPush):
             mine = layer_layouts(name, tensor, self.num_blocks, self.num_kv_heads)
             self._layer_names[name] = [lay.name for lay in mine]
             layers.extend(mine)
+        if self.groups is not None:
+            unknown = [n for g in self.groups for n in g if n not in self._layer_names]
+            if unknown:
+                raise ConfigError(f"KV cache group layers without a KV cache tensor: {unknown[:3]}")
+            self._group_entries = [
+                {e for n in g for e in self._layer_names[n]} for g in self.groups
+            ]
         first = next(iter(kv_caches.values()))
         on_gpu = first.device.type == "cuda"
         location = f"cuda:{first.device.index or 0}" if on_gpu else "cpu:0"
@@ -157,6 +170,8 @@ class TransferSession(LayerPush):
             block_size=self.block_size,
             dtype=str(first.dtype),
             layers=layers,
+            groups=self.groups,
+            group_kinds=self.group_kinds,
         )
         log.info(
             "PD worker %d: %d layers, segment %s, side channel %s",
@@ -325,9 +340,21 @@ class TransferSession(LayerPush):
                 raise LoadRefused("the prefill's lease on these blocks ends before a read could")
             layouts = [self._remote_layout(remote.engine_id, ep) for ep in endpoints]
             assert self.layout is not None and self.engine is not None
-            reqs, owners = plan_reads(
-                self.layout, layouts, spec.local_block_ids, spec.remote_block_ids
-            )
+            if spec.groups is None:
+                reqs, owners = plan_reads(
+                    self.layout, layouts, spec.local_block_ids, spec.remote_block_ids
+                )
+            else:
+                if len(spec.groups) != len(self._group_entries):
+                    raise LoadRefused(
+                        f"blocks of {len(spec.groups)} KV cache groups, this worker has "
+                        f"{len(self._group_entries)}"
+                    )
+                reqs, owners = [], []
+                for (lo, ro), entries in zip(spec.groups, self._group_entries, strict=True):
+                    r, o = plan_reads(self.layout, layouts, lo, ro, layers=entries)
+                    reqs += r
+                    owners += o
             t0 = time.perf_counter()
             log.debug("timeline %s transfer_submit %d", spec.request_id, len(reqs))
             # In this thread, as few calls as the transports can make: in vLLM's worker process

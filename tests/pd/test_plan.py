@@ -16,7 +16,7 @@ from mooncake_connectors.pd.plan import (
 BS = 16
 PROMPT = list(range(100, 200))  # 100 tokens: 7 blocks of 16
 REMOTE = PullParams(
-    "p", "r", tuple(range(20, 27)), 100, prompt_hash(PROMPT), ("tcp://h:1",), 1, 1e12
+    "p", "r", 100, prompt_hash(PROMPT), ("tcp://h:1",), 1, 1e12, tuple(range(20, 27))
 )
 PUSH = PushParams("id", "p", ("tcp://h:1",), 1)
 
@@ -25,7 +25,7 @@ def test_only_kv_of_exactly_this_prompt_is_loadable() -> None:
     assert loadable_tokens("d", PROMPT, REMOTE, BS) == 100
     assert loadable_tokens("d", PROMPT[:99], REMOTE, BS) == 0  # more tokens than the prompt
     assert loadable_tokens("d", [1, *PROMPT[1:]], REMOTE, BS) == 0  # other tokens
-    short = PullParams("p", "r", (20,), 100, prompt_hash(PROMPT), ("tcp://h:1",), 1, 1e12)
+    short = PullParams("p", "r", 100, prompt_hash(PROMPT), ("tcp://h:1",), 1, 1e12, (20,))
     assert loadable_tokens("d", PROMPT, short, BS) == 0  # too few blocks for its tokens
     assert loadable_tokens("d", None, REMOTE, BS) == 0
 
@@ -85,7 +85,7 @@ def test_a_push_whose_request_ends_early_is_announced_aborted() -> None:
 
 def test_handover_names_the_blocks_of_the_computed_tokens() -> None:
     before = time.time()
-    out = handover("p", "r", PROMPT, 40, list(range(9)), ["tcp://h:1", "tcp://h:2"], BS, 30.0)
+    out = handover("p", "r", PROMPT, 40, [list(range(9))], ["tcp://h:1", "tcp://h:2"], BS, 30.0)
     assert out.block_ids == (0, 1, 2) and out.num_tokens == 40 and out.tp_size == 2
     assert out.prompt_hash == prompt_hash(PROMPT[:40])
     assert before + 30.0 <= out.expires_at <= time.time() + 30.0

@@ -92,7 +92,7 @@ def session(engine_id: str = "eng", **settings: Any) -> tuple[TransferSession, R
 def pull_params(side_channel: str) -> PullParams:
     blocks = tuple(range(20, 27))
     return PullParams(
-        "prefill-engine", "p-1", blocks, 100, prompt_hash(PROMPT), (side_channel,), 1, 1e12
+        "prefill-engine", "p-1", 100, prompt_hash(PROMPT), (side_channel,), 1, 1e12, blocks
     )
 
 

@@ -116,7 +116,7 @@ def test_decode_reads_prefill_gpu_blocks_into_its_own(
         assert prefill.side_channel is not None
         blocks = tuple(range(20, 27))
         remote = PullParams(
-            "eng-p", "p-1", blocks, 100, prompt_hash(PROMPT), (prefill.side_channel,), 1, 1e12
+            "eng-p", "p-1", 100, prompt_hash(PROMPT), (prefill.side_channel,), 1, 1e12, blocks
         )
         dec.start_load_kv(
             StepPlan(recv=[RecvSpec("d-1", list(range(3, 10)), list(blocks), remote)])

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .base_connector import DelegatingConnector, num_kv_heads
 from .config import PDConfig
 from .metadata import PDConnectorMetadata
-from .scheduler import PDScheduler
+from .scheduler import PDScheduler, kv_groups
 from .stats import PDPromMetrics, PDStats
 from .worker import PDWorker
 
@@ -26,11 +27,17 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 
-class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker, PDConfig]):
+class MooncakeConnectorsPD(
+    DelegatingConnector[PDScheduler, PDWorker, PDConfig],
+    SupportsHMA,  # type: ignore[misc]  # Any without vLLM
+):
     """Prefill → decode KV transfer over mooncake-connectors' transfer engine (decode pulls, or
-    the prefill pushes layer by layer when the proxy runs both legs at once)."""
+    the prefill pushes layer by layer when the proxy runs both legs at once). With vLLM's
+    hybrid KV cache manager (``SupportsHMA``: full and sliding-window attention groups) each
+    group's blocks are handed over and pulled for that group's layers (no push then)."""
 
     _cache_hit_source = CacheHitSource.P2P
     METADATA = PDConnectorMetadata
@@ -44,7 +51,9 @@ class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker, PDConfig])
     def _build_scheduler(
         self, config: PDConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     ) -> PDScheduler:
-        return PDScheduler(config, vllm_config, str(self._kv_transfer_config.engine_id))
+        return PDScheduler(
+            config, vllm_config, str(self._kv_transfer_config.engine_id), kv_cache_config
+        )
 
     def _build_worker(
         self, config: PDConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
@@ -55,7 +64,13 @@ class MooncakeConnectorsPD(DelegatingConnector[PDScheduler, PDWorker, PDConfig])
             str(self._kv_transfer_config.engine_id),
             kv_cache_config.num_blocks,
             num_kv_heads(kv_cache_config),
+            kv_groups(vllm_config, kv_cache_config),
         )
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
 
     # -- scheduler side ----------------------------------------------------------------------
     def set_xfer_handshake_metadata(

@@ -31,14 +31,17 @@ from ...pd.plan import (
     loadable_tokens,
     push_recv_spec,
     recv_spec,
+    recv_spec_groups,
 )
 from .config import PDConfig
 from .metadata import PDConnectorMetadata, PDHandshake
+from .store_scheduler import group_windows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -67,10 +70,33 @@ def _block_ids(blocks: KVCacheBlocks, num_external: int) -> list[int]:
     return list(block_ids)
 
 
+def kv_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> tuple[list[list[str]], list[str]] | None:
+    """Several KV cache groups (vLLM's hybrid KV cache manager): each group's layer names and
+    kind ("full", "sliding:<tokens kept>"); None for one full-attention group. Groups other
+    than full and sliding-window attention raise ConfigError (:func:`group_windows`)."""
+    if kv_cache_config is None:
+        return None
+    windows = group_windows(vllm_config, kv_cache_config)
+    if windows is None:
+        return None
+    names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+    return names, [f"sliding:{w}" if w else "full" for w in windows]
+
+
 class PDScheduler:
-    def __init__(self, config: PDConfig, vllm_config: VllmConfig, engine_id: str) -> None:
+    def __init__(
+        self,
+        config: PDConfig,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
+        groups = kv_groups(vllm_config, kv_cache_config)
+        self.num_groups = 1 if groups is None else len(groups[0])
         self.block_size: int = vllm_config.cache_config.block_size
         self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
         self.side_channels: list[str] | None = None  # per TP rank, from the workers' handshake
@@ -114,7 +140,7 @@ class PDScheduler:
         if remote is None:
             return 0
         return loadable_tokens(
-            request.request_id, request.prompt_token_ids, remote, self.block_size
+            request.request_id, request.prompt_token_ids, remote, self.block_size, self.num_groups
         )
 
     def _pushable_tokens(self, request: Request) -> int:
@@ -122,6 +148,13 @@ class PDScheduler:
         remote = _decode(request.kv_transfer_params, PushParams, request.request_id, warn=True)
         prompt = request.prompt_token_ids
         if remote is None:
+            return 0
+        if self.num_groups > 1:
+            log.warning(
+                "request %s asks for a layer-wise push, which does not handle several KV cache "
+                "groups yet (hybrid KV cache manager); computing the prompt",
+                request.request_id,
+            )
             return 0
         if not self.config.accept_push:
             log.warning(
@@ -173,10 +206,16 @@ class PDScheduler:
         remote = _decode(params, PullParams, rid, warn=True)
         if remote is not None:
             log.debug("timeline %s allocated %d", rid, num_external_tokens)
-            block_ids = _block_ids(blocks, num_external_tokens)
-            self._recv.append(
-                recv_spec(rid, remote, n, num_external_tokens, block_ids, self.block_size)
-            )
+            if self.num_groups > 1:
+                # vLLM's null block (id 0) stands where a sliding-window group needs no block
+                groups = blocks.get_block_ids() if num_external_tokens > 0 else ()
+                spec = recv_spec_groups(
+                    rid, remote, n, num_external_tokens, groups, self.block_size
+                )
+            else:
+                block_ids = _block_ids(blocks, num_external_tokens)
+                spec = recv_spec(rid, remote, n, num_external_tokens, block_ids, self.block_size)
+            self._recv.append(spec)
 
     # -- prefill side of a push --------------------------------------------------------------
     def _start_push(self, request: Request) -> None:
@@ -187,6 +226,13 @@ class PDScheduler:
             leg = pdp.decode(request.kv_transfer_params, pdp.PrefillLeg)
         except ProtocolError as exc:
             log.warning("request %s: %s", request.request_id, exc)
+            return
+        if leg.push_id is not None and self.num_groups > 1:
+            log.warning(
+                "request %s: no layer-wise push with several KV cache groups; its KV is handed "
+                "over for a pull when it finishes",
+                request.request_id,
+            )
             return
         if prompt is not None and leg.push_id is not None:
             self._pushing.start(request.request_id, leg.push_id, prompt)
@@ -230,8 +276,10 @@ class PDScheduler:
         return meta
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks (one KV cache group) or each group's
+        (``request_finished_all_groups``)."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -263,7 +311,16 @@ class PDScheduler:
             return False, None  # aborted or failed: nothing to hand over
         prompt = request.prompt_token_ids
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        if not block_ids or prompt is None or num_tokens <= 0:
+        groups = list(block_ids) if isinstance(block_ids, tuple) else [block_ids]
+        if len(groups) != self.num_groups:
+            log.warning(
+                "request %s: blocks of %d KV cache groups, expected %d; not handed over",
+                rid,
+                len(groups),
+                self.num_groups,
+            )
+            return False, None
+        if not any(groups) or prompt is None or num_tokens <= 0:
             return False, None
         if self.side_channels is None:
             log.warning("no worker handshake yet; request %s is not handed over", rid)
@@ -276,7 +333,7 @@ class PDScheduler:
             rid,
             prompt,
             num_tokens,
-            block_ids,
+            groups,
             self.side_channels,
             self.block_size,
             lease,

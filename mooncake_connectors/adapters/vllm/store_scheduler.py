@@ -126,7 +126,7 @@ def group_windows(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> li
     for i, spec in enumerate(specs):
         if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
             raise ConfigError(
-                f"KV cache group {i}: the store connector handles full and sliding-window "
+                f"KV cache group {i}: this connector handles full and sliding-window "
                 f"attention groups, not {type(spec).__name__}"
             )
         if spec.block_size != vllm_config.cache_config.block_size:

@@ -27,6 +27,7 @@ class PDWorker(TransferSession):
         engine_id: str,
         num_blocks: int,
         num_kv_heads: int = 0,
+        groups: tuple[list[list[str]], list[str]] | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -36,6 +37,8 @@ class PDWorker(TransferSession):
             num_blocks=num_blocks,
             num_kv_heads=num_kv_heads,
             stats=PDStats(),
+            groups=None if groups is None else groups[0],
+            group_kinds=None if groups is None else groups[1],
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
