@@ -64,7 +64,9 @@ def test_the_first_long_load_from_a_prefill_sets_nothing_up() -> None:
         assert isinstance(tcp, TcpTransport)
         runner = tcp._direct
         channels = (prefill.side_channel,)
-        short = PullParams("eng-p", "p-1", (20,), 16, prompt_hash(PROMPT[:16]), channels, 1, 1e12)
+        short = PullParams(
+            "eng-p", "p-1", 16, prompt_hash(PROMPT[:16]), channels, 1, 1e12, block_ids=(20,)
+        )
         _load(dec, "d-1", short, [3])  # one block: no stripes
         # after it, off its path: a striped read's connections and worker are ready
         wait_until(
@@ -74,7 +76,9 @@ def test_the_first_long_load_from_a_prefill_sets_nothing_up() -> None:
         )
         connects = runner.connects
         blocks = tuple(range(30, 37))
-        long = PullParams("eng-p", "p-2", blocks, 100, prompt_hash(PROMPT), channels, 1, 1e12)
+        long = PullParams(
+            "eng-p", "p-2", 100, prompt_hash(PROMPT), channels, 1, 1e12, block_ids=blocks
+        )
         _load(dec, "d-2", long, list(range(40, 47)))  # 112 KiB: striped
         for name in src:
             assert torch.equal(dst[name][40:47], src[name][30:37])
