@@ -198,14 +198,14 @@ def serve(cmd: str, msg: dict[str, Any], dev: Dev, state: dict[str, Any]) -> dic
         return {}
     if cmd == "pd_pull":
         pull = PullParams(
-            msg["engine_id"],
-            msg["remote_request_id"],
-            tuple(msg["remote_blocks"]),
-            msg["num_tokens"],
-            msg["prompt_hash"],
-            (msg["side_channel"],),
-            1,
-            time.time() + 600,
+            engine_id=msg["engine_id"],
+            request_id=msg["remote_request_id"],
+            block_ids=tuple(msg["remote_blocks"]),
+            num_tokens=msg["num_tokens"],
+            prompt_hash=msg["prompt_hash"],
+            side_channels=(msg["side_channel"],),
+            tp_size=1,
+            expires_at=time.time() + 600,
         )
         s.start_load_kv(
             StepPlan(recv=[RecvSpec(msg["request_id"], msg["blocks"], msg["remote_blocks"], pull)])
