@@ -143,6 +143,25 @@ def block_hashes(
     return out
 
 
+def identity_digest(inputs: KeyInputs, num_tokens: int) -> bytes:
+    """What the KV of a prompt's first ``num_tokens`` tokens depends on besides their ids, as
+    one digest: the salt, the LoRA adapter, the multimodal inputs whose placeholders start
+    before ``num_tokens``, the embeddings' block digests. Empty for a plain text prompt, so a
+    digest over token ids alone stays what it was for those (PD's ``prompt_hash``)."""
+    mm = sorted(
+        (m for m in inputs.multimodal if m.offset < num_tokens),
+        key=lambda m: (m.offset, m.length, m.identifier),
+    )
+    if not (inputs.cache_salt or inputs.lora_name or inputs.lora_path or mm or inputs.embeds):
+        return b""
+    h = hashlib.blake2b(_root(inputs), digest_size=_DIGEST)
+    for m in mm:
+        h.update(b"m" + _field(m.identifier.encode()) + struct.pack("<qq", m.offset, m.length))
+    for e in inputs.embeds:
+        h.update(b"e" + e)
+    return h.digest()
+
+
 def prompt_block_hashes(
     token_ids: Sequence[int], block_size: int, inputs: KeyInputs = PLAIN
 ) -> list[str]:

@@ -42,9 +42,15 @@ _ENGINE_KEYS = {
 }
 
 
-def prompt_hash(token_ids: Sequence[int]) -> str:
-    """A short digest of token ids: decode must load KV computed for exactly its tokens."""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+def prompt_hash(token_ids: Sequence[int], identity: bytes = b"") -> str:
+    """A short digest of token ids and of what else their KV depends on: decode must load KV
+    computed for exactly its tokens, under its LoRA adapter, for its images, with its
+    ``cache_salt``. ``identity`` is :func:`~mooncake_connectors.kv_keys.identity_digest` of the
+    request (empty for a plain text prompt, whose digest is then that of its ids alone)."""
+    h = hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16)
+    if identity:
+        h.update(b"i" + identity)
+    return h.hexdigest()
 
 
 def _check_channels(side_channels: tuple[str, ...], tp_size: int) -> None:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from ..kv_keys import PLAIN, KeyInputs, identity_digest
 from .params import PullParams, PushParams, prompt_hash
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,10 @@ def loadable_tokens(
     remote: PullParams,
     block_size: int,
     num_groups: int = 1,
+    inputs: KeyInputs = PLAIN,
 ) -> int:
-    """Prompt tokens whose KV the prefill holds for exactly this prompt (0: none usable)."""
+    """Prompt tokens whose KV the prefill holds for exactly this prompt and ``inputs`` (what
+    else the KV depends on: LoRA adapter, multimodal inputs, ``cache_salt``; 0: none usable)."""
     groups = remote.groups()
     if len(groups) != num_groups:
         log.warning(
@@ -113,8 +116,13 @@ def loadable_tokens(
         or any(len(g) < cdiv(remote.num_tokens, block_size) for g in groups)
     ):
         return 0
-    if prompt_hash(prompt[: remote.num_tokens]) != remote.prompt_hash:
-        log.warning("request %s: prefill KV is for other prompt tokens; recomputing", request_id)
+    n = remote.num_tokens
+    if prompt_hash(prompt[:n], identity_digest(inputs, n)) != remote.prompt_hash:
+        log.warning(
+            "request %s: the prefill's KV is for other prompt tokens or other inputs (LoRA "
+            "adapter, images, cache_salt); recomputing",
+            request_id,
+        )
         return 0
     return remote.num_tokens
 
@@ -198,12 +206,13 @@ def push_recv_spec(
     num_external: int,
     block_ids: Sequence[int],
     block_size: int,
+    inputs: KeyInputs = PLAIN,
 ) -> PushRecvSpec:
     """Where a push into this decode request goes (no blocks: the prefill need not push)."""
     spec = PushRecvSpec(request_id, [], 0, matched, "", remote)
     if num_external <= 0 or matched <= 0 or prompt is None:
         return spec
-    spec.prompt_hash = prompt_hash(prompt[:matched])
+    spec.prompt_hash = prompt_hash(prompt[:matched], identity_digest(inputs, matched))
     start, end, error = _window(matched, num_external, block_ids, block_size)
     spec.first_block = start
     spec.local_block_ids = list(block_ids[start:end])
@@ -220,6 +229,7 @@ def handover(
     side_channels: Sequence[str],
     block_size: int,
     lease: float,
+    inputs: KeyInputs = PLAIN,
 ) -> PullParams:
     """The params a finished prefill request answers with: its first ``num_tokens`` prompt
     tokens' blocks of each KV cache group (``groups``), kept for ``lease`` seconds."""
@@ -231,7 +241,7 @@ def handover(
         block_ids=ids[0] if len(ids) == 1 else None,
         group_block_ids=ids if len(ids) > 1 else None,
         num_tokens=num_tokens,
-        prompt_hash=prompt_hash(prompt[:num_tokens]),
+        prompt_hash=prompt_hash(prompt[:num_tokens], identity_digest(inputs, num_tokens)),
         side_channels=tuple(side_channels),
         tp_size=len(side_channels),
         # The worker's lease starts a little later than this, so decode errs on the safe side.
@@ -258,10 +268,11 @@ class PushProgress:
     def __bool__(self) -> bool:
         return bool(self._pushing)
 
-    def start(self, request_id: str, push_id: str, prompt: Sequence[int]) -> None:
-        self._pushing[request_id] = PushSendStep(
-            request_id, push_id, [], 0, len(prompt), prompt_hash(prompt)
-        )
+    def start(
+        self, request_id: str, push_id: str, prompt: Sequence[int], inputs: KeyInputs = PLAIN
+    ) -> None:
+        digest = prompt_hash(prompt, identity_digest(inputs, len(prompt)))
+        self._pushing[request_id] = PushSendStep(request_id, push_id, [], 0, len(prompt), digest)
 
     def advance(
         self,

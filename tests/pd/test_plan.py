@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from mooncake_connectors.kv_keys import KeyInputs, MultiModalInput
 from mooncake_connectors.pd.params import PullParams, PushParams, prompt_hash
 from mooncake_connectors.pd.plan import (
     PushProgress,
@@ -89,3 +92,52 @@ def test_handover_names_the_blocks_of_the_computed_tokens() -> None:
     assert out.block_ids == (0, 1, 2) and out.num_tokens == 40 and out.tp_size == 2
     assert out.prompt_hash == prompt_hash(PROMPT[:40])
     assert before + 30.0 <= out.expires_at <= time.time() + 30.0
+
+
+SALT_A, SALT_B = KeyInputs(cache_salt="tenant-a"), KeyInputs(cache_salt="tenant-b")
+IMAGE = MultiModalInput("img-1", 20, 30)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [
+        (SALT_A, SALT_B),  # another tenant's salt
+        (SALT_A, KeyInputs()),  # a salted prompt's KV for an unsalted request
+        (KeyInputs(lora_name="a", lora_path="/l/a"), KeyInputs(lora_name="b", lora_path="/l/b")),
+        (KeyInputs(lora_name="a", lora_path="/l/a"), KeyInputs()),  # adapter vs base model
+        (KeyInputs(lora_name="a", lora_path="/old"), KeyInputs(lora_name="a", lora_path="/new")),
+        # two images behind the same placeholder token ids
+        (KeyInputs(multimodal=(IMAGE,)), KeyInputs(multimodal=(MultiModalInput("img-2", 20, 30),))),
+        (KeyInputs(multimodal=(IMAGE,)), KeyInputs(multimodal=(MultiModalInput("img-1", 21, 30),))),
+    ],
+)
+def test_kv_of_other_inputs_behind_the_same_tokens_is_not_loadable(
+    prefill: KeyInputs, decode: KeyInputs
+) -> None:
+    out = handover("p", "r", PROMPT, 100, [list(range(7))], ["tcp://h:1"], BS, 30.0, prefill)
+    assert loadable_tokens("d", PROMPT, out, BS, 1, decode) == 0
+    assert loadable_tokens("d", PROMPT, out, BS, 1, prefill) == 100  # its own inputs: loadable
+
+
+def test_plain_prompts_hash_as_before_and_only_inputs_inside_the_tokens_count() -> None:
+    # a plain text prompt's hash is its ids' alone, as older prefills computed it
+    assert handover("p", "r", PROMPT, 40, [[1, 2, 3]], ["c"], BS, 1.0).prompt_hash == (
+        prompt_hash(PROMPT[:40])
+    )
+    # an image placed after the handed-over tokens does not change their KV
+    late = KeyInputs(multimodal=(MultiModalInput("img-9", 60, 10),))
+    out = handover("p", "r", PROMPT, 40, [[1, 2, 3]], ["c"], BS, 1.0, late)
+    assert out.prompt_hash == prompt_hash(PROMPT[:40])
+    assert handover("p", "r", PROMPT, 40, [[1, 2, 3]], ["c"], BS, 1.0, SALT_A).prompt_hash != (
+        prompt_hash(PROMPT[:40])
+    )
+
+
+def test_a_push_names_the_inputs_on_both_sides() -> None:
+    prog = PushProgress(BS)
+    prog.start("r", "id", PROMPT, SALT_A)
+    prog.advance("r", list(range(7)), True, 0, 100)
+    (step,) = prog.take()
+    same = push_recv_spec("d", PUSH, PROMPT, 100, 100, list(range(7)), BS, SALT_A)
+    other = push_recv_spec("d", PUSH, PROMPT, 100, 100, list(range(7)), BS, SALT_B)
+    assert step.prompt_hash == same.prompt_hash != other.prompt_hash

@@ -35,6 +35,7 @@ from ...pd.plan import (
 )
 from .config import PDConfig
 from .metadata import PDConnectorMetadata, PDHandshake
+from .store_inputs import key_inputs
 from .store_scheduler import group_windows
 
 if TYPE_CHECKING:
@@ -140,7 +141,12 @@ class PDScheduler:
         if remote is None:
             return 0
         return loadable_tokens(
-            request.request_id, request.prompt_token_ids, remote, self.block_size, self.num_groups
+            request.request_id,
+            request.prompt_token_ids,
+            remote,
+            self.block_size,
+            self.num_groups,
+            key_inputs(request, self.block_size),
         )
 
     def _pushable_tokens(self, request: Request) -> int:
@@ -200,6 +206,7 @@ class PDScheduler:
                         num_external_tokens,
                         _block_ids(blocks, num_external_tokens),
                         self.block_size,
+                        key_inputs(request, self.block_size),
                     )
                 )
             return
@@ -235,7 +242,8 @@ class PDScheduler:
             )
             return
         if prompt is not None and leg.push_id is not None:
-            self._pushing.start(request.request_id, leg.push_id, prompt)
+            inputs = key_inputs(request, self.block_size)
+            self._pushing.start(request.request_id, leg.push_id, prompt, inputs)
 
     def _push_steps(self, out: SchedulerOutput) -> None:
         """Tell the progress of each pushing request scheduled in this step."""
@@ -337,5 +345,6 @@ class PDScheduler:
             self.side_channels,
             self.block_size,
             lease,
+            key_inputs(request, self.block_size),
         )
         return True, pdp.encode(out)
