@@ -194,8 +194,12 @@ def test_calibration_profiled_the_engines(live: Live) -> None:
     stats = live.cache.get("/conductor/stats")
     assert stats["block_tokens"] == BLOCK  # read from vllm:cache_config_info
     pm = stats["prefill_model"]
-    # a 1536-token prompt costs more than a 64-token one, and neither is absurd on this machine
-    assert 0 < prefill_s(pm, 64) < prefill_s(pm, 1536) < 60
+    # A fitted model (non-negative terms, a fixed cost) that is not absurd on this machine. The
+    # tiny model's prefill is mostly fixed cost (HTTP, scheduling, one sampled token: ~80 ms
+    # whatever the length), so on a busy 2-core runner the length terms can fit to zero; the fit
+    # itself (longer prompts cost more when they do) is checked in tests/conductor.
+    assert min(pm["a"], pm["b"], pm["c"]) >= 0 and pm["a"] > 0
+    assert 0 < prefill_s(pm, 64) <= prefill_s(pm, 1536) < 60
     assert stats["decode_model"]["base_s"] > 0
 
 
