@@ -129,7 +129,8 @@ class BufferHandle(bytearray):
     """A value read by ``get_buffer`` / ``batch_get_buffer``: Mooncake's ``BufferHandle``.
 
     Like Mooncake's, it is a writable buffer (``memoryview``, ``torch.frombuffer``, ``len``)
-    with ``ptr()`` and ``size()``; here it owns a copy of the value (bytes, format ``B``)."""
+    with ``ptr()`` and ``size()``; here it owns its bytes (format ``B``), which the store client
+    reads the value straight into."""
 
     def ptr(self) -> int:
         if not self:
@@ -138,6 +139,13 @@ class BufferHandle(bytearray):
 
     def size(self) -> int:
         return len(self)
+
+    @classmethod
+    def of_size(cls, size: int) -> tuple[BufferHandle, int]:
+        """A handle of ``size`` bytes and the address of its bytes: the store client reads the
+        value straight into it (``StoreClient.get_batch_as``)."""
+        handle = cls(size)
+        return handle, handle.ptr()
 
 
 def _part(value: Any) -> memoryview:
@@ -380,11 +388,13 @@ class MooncakeDistributedStore:
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
         """Per key a :class:`BufferHandle`, None for a miss; all None when the store fails."""
         try:
-            values = self.client.get_batch(list(keys))
+            got: list[BufferHandle | None] = self.client.get_batch_as(
+                list(keys), BufferHandle.of_size
+            )
+            return got
         except (MooncakeConnectorsError, ValueError, TypeError) as exc:
             self._fail("batch_get_buffer", exc)
             return [None] * len(keys)
-        return [None if v is None else BufferHandle(v) for v in values]
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         return self.batch_get_into([key], [buffer_ptr], [size])[0]

@@ -21,8 +21,8 @@ import ctypes
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ..config import EngineConfig
 from ..errors import (
@@ -73,6 +73,17 @@ def _bytes_data_offset() -> int:
 
 
 _BYTES_DATA = _bytes_data_offset()
+
+T = TypeVar("T")
+Alloc = Callable[[int], tuple[T, int]]
+"""Makes a value's object for ``size`` bytes: the object and the address of its bytes."""
+
+
+def _alloc_bytes(size: int) -> tuple[bytes, int]:
+    """A new, uninitialised ``bytes`` of ``size`` (filled by the read before anyone sees it);
+    its address needs ``_BYTES_DATA``, so only direct reads (on only where it is known) use it."""
+    value = _new_bytes(None, size)
+    return value, id(value) + _BYTES_DATA
 
 
 def check_keys(keys: Sequence[str]) -> None:
@@ -308,7 +319,7 @@ class StoreClient:
         if loc is None:
             return None
         if loc.size >= _DIRECT_MIN and self._direct:
-            return self._values([key], locs, deadline)[0]
+            return self._values([key], locs, deadline, _alloc_bytes)[0]
         with self._stage([loc.size]) as (addr,):  # the common small value: one staging slot
             err = self._reader.read([(loc, addr)], deadline)[0]
             if err is None:
@@ -318,20 +329,27 @@ class StoreClient:
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values in order; None for a miss (an unreadable key also reads as a miss)."""
+        return self.get_batch_as(keys, _alloc_bytes)
+
+    def get_batch_as(self, keys: Sequence[str], alloc: Alloc[T]) -> list[T | None]:
+        """Values in order, each read straight into an object ``alloc(size)`` made (returning
+        the object and the address of its ``size`` writable bytes, which must stay put while
+        the object lives); None for a miss (an unreadable key also reads as a miss). The one
+        copy of a value is the read (or, through staging, one copy out of it)."""
         keys = list(keys)
         if not keys:
             return []
         deadline = self._deadline()
-        return self._values(keys, self._lookup(keys, deadline), deadline)
+        return self._values(keys, self._lookup(keys, deadline), deadline, alloc)
 
     def _values(
-        self, keys: list[str], locs: list[Loc | None], deadline: float
-    ) -> list[bytes | None]:
+        self, keys: list[str], locs: list[Loc | None], deadline: float, alloc: Alloc[T]
+    ) -> list[T | None]:
         assert self._reader is not None
         found = [(i, loc) for i, loc in enumerate(locs) if loc is not None]
-        out: list[bytes | None] = [None] * len(keys)
+        out: list[T | None] = [None] * len(keys)
         if self._direct and found and all(loc.size >= _DIRECT_MIN for _, loc in found):
-            direct = self._get_direct(keys, found, deadline)
+            direct = self._get_direct(keys, found, deadline, alloc)
             if direct is not None:
                 for (i, _), value in zip(found, direct, strict=True):
                     out[i] = value
@@ -342,25 +360,36 @@ class StoreClient:
             )
             for (i, loc), addr, err in zip(found, addrs, errors, strict=True):
                 if err is None:
-                    out[i] = ctypes.string_at(addr, loc.size) if loc.size else b""
+                    out[i] = self._copy_out(addr, loc.size, alloc)
                 else:
                     log.info("get %r failed, reported as a miss: %s", keys[i], err)
         return out
 
+    @staticmethod
+    def _copy_out(addr: int, size: int, alloc: Alloc[T]) -> T:
+        if alloc is _alloc_bytes:  # type: ignore[comparison-overlap]
+            # needs no payload offset (direct reads do, and are off without one)
+            return ctypes.string_at(addr, size) if size else b""  # type: ignore[return-value]
+        value, dest = alloc(size)
+        if size:
+            ctypes.memmove(dest, addr, size)
+        return value
+
     def _get_direct(
-        self, keys: list[str], found: list[tuple[int, Loc]], deadline: float
-    ) -> list[bytes | None] | None:
-        """Read large values straight into new ``bytes`` objects (registered for the read),
-        saving the copy out of staging; None when that cannot be done (then stage)."""
+        self, keys: list[str], found: list[tuple[int, Loc]], deadline: float, alloc: Alloc[T]
+    ) -> list[T | None] | None:
+        """Read large values straight into new objects (registered for the read), saving the
+        copy out of staging; None when that cannot be done (then stage)."""
         assert self.engine is not None and self._reader is not None
-        values = [_new_bytes(None, loc.size) for _, loc in found]
-        ranges = [(id(v) + _BYTES_DATA, len(v)) for v in values]
+        made = [alloc(loc.size) for _, loc in found]
+        values = [v for v, _ in made]
+        ranges = [(a, loc.size) for (_, a), (_, loc) in zip(made, found, strict=True)]
         if any(
             self.engine.local.find(a, 1) or self.engine.local.find(a + n - 1, 1) for a, n in ranges
         ):
             return None  # memory someone registered and freed: stay out of its way
         try:
-            regions = self.engine.register_many(ranges, owner=values, check=False)  # our bytes
+            regions = self.engine.register_many(ranges, owner=values, check=False)  # ours
         except MooncakeConnectorsError as exc:
             log.debug("direct get unavailable (%s); staging instead", exc)
             return None
@@ -371,7 +400,7 @@ class StoreClient:
         finally:
             for region in regions:
                 self.engine.unregister(region)
-        out: list[bytes | None] = []
+        out: list[T | None] = []
         for (i, _), value, err in zip(found, values, errors, strict=True):
             if err is not None:
                 log.info("get %r failed, reported as a miss: %s", keys[i], err)
