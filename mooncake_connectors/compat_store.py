@@ -23,13 +23,13 @@ Mooncake's ``tcp`` has neither. For TCP only (data and control), pass ``transpor
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .compat_handles import BufferHandle, HandlePool
 from .errors import (
     AccessViolation,
     ConfigError,
@@ -125,29 +125,6 @@ class ReplicateConfig:
         return self.preferred_segment or (self.preferred_segments or [""])[0]
 
 
-class BufferHandle(bytearray):
-    """A value read by ``get_buffer`` / ``batch_get_buffer``: Mooncake's ``BufferHandle``.
-
-    Like Mooncake's, it is a writable buffer (``memoryview``, ``torch.frombuffer``, ``len``)
-    with ``ptr()`` and ``size()``; here it owns its bytes (format ``B``), which the store client
-    reads the value straight into."""
-
-    def ptr(self) -> int:
-        if not self:
-            return 0
-        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
-
-    def size(self) -> int:
-        return len(self)
-
-    @classmethod
-    def of_size(cls, size: int) -> tuple[BufferHandle, int]:
-        """A handle of ``size`` bytes and the address of its bytes: the store client reads the
-        value straight into it (``StoreClient.get_batch_as``)."""
-        handle = cls(size)
-        return handle, handle.ptr()
-
-
 def _part(value: Any) -> memoryview:
     """One part of ``put_parts``: a 1-D buffer of 1-byte items, as Mooncake 0.3.13 wants
     (not bytes-like: TypeError; another shape or item size: RuntimeError). A strided part is
@@ -199,6 +176,7 @@ class MooncakeDistributedStore:
 
     def __init__(self) -> None:
         self._client: Any = None
+        self._handles: HandlePool | None = None
 
     def _fail(self, what: str, exc: BaseException) -> int:
         log.error("%s failed: %s", what, exc)
@@ -270,6 +248,14 @@ class MooncakeDistributedStore:
                 tls=tls_from_env(),  # likewise for TLS: MOONCAKE_CONNECTORS_TLS_*
             )
             self._client = StoreClient(cfg).start()
+            # get_buffer's handles: warm blocks, up to the local buffer's size kept idle (what
+            # Mooncake's handles view), registered once where large values are read directly.
+            direct = self._client.reads_direct
+            self._handles = HandlePool(
+                cfg.local_buffer_size,
+                self._client.register_buffer if direct else None,
+                self._client.unregister_buffer if direct else None,
+            )
         except (MooncakeConnectorsError, ValueError, OSError, TypeError) as exc:
             self._client = None
             return self._fail("setup", exc)
@@ -286,6 +272,9 @@ class MooncakeDistributedStore:
         return str(self.client.local_segment or self.client.engine.segment_name)
 
     def close(self) -> int:
+        if self._handles is not None:
+            self._handles.close()
+            self._handles = None
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -388,9 +377,9 @@ class MooncakeDistributedStore:
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
         """Per key a :class:`BufferHandle`, None for a miss; all None when the store fails."""
         try:
-            got: list[BufferHandle | None] = self.client.get_batch_as(
-                list(keys), BufferHandle.of_size
-            )
+            client = self.client
+            assert self._handles is not None
+            got: list[BufferHandle | None] = client.get_batch_as(list(keys), self._handles.alloc)
             return got
         except (MooncakeConnectorsError, ValueError, TypeError) as exc:
             self._fail("batch_get_buffer", exc)

@@ -205,6 +205,12 @@ class StoreClient:
         """The embedded segment's name ("" for a pure client)."""
         return self.server.segment if self.server is not None else ""
 
+    @property
+    def reads_direct(self) -> bool:
+        """Whether large values are read straight into the caller's new objects (a pure client
+        on local metadata: registering memory re-publishes nothing a peer must re-fetch)."""
+        return self._direct
+
     # -- plumbing ---------------------------------------------------------------------------
     def _master(self, msg: Msg, deadline: float) -> Msg:
         return self.link.call(msg, deadline)
@@ -345,67 +351,86 @@ class StoreClient:
     def _values(
         self, keys: list[str], locs: list[Loc | None], deadline: float, alloc: Alloc[T]
     ) -> list[T | None]:
+        """Read the found values into objects ``alloc`` makes: straight into them when the
+        allocator's memory is registered (a pool's), or when this pure client registers them
+        for the read (large values); else through staging and one copy out."""
         assert self._reader is not None
         found = [(i, loc) for i, loc in enumerate(locs) if loc is not None]
         out: list[T | None] = [None] * len(keys)
-        if self._direct and found and all(loc.size >= _DIRECT_MIN for _, loc in found):
-            direct = self._get_direct(keys, found, deadline, alloc)
-            if direct is not None:
-                for (i, _), value in zip(found, direct, strict=True):
-                    out[i] = value
-                return out
+        if not found:
+            return out
+        as_bytes = alloc is _alloc_bytes  # type: ignore[comparison-overlap]
+        # bytes are made only where read into directly (their address needs _BYTES_DATA)
+        made = None if as_bytes else [alloc(loc.size) for _, loc in found]
+        if made and all(
+            loc.size and self._registered(a, loc.size)
+            for (_, a), (_, loc) in zip(made, found, strict=True)
+        ):
+            return self._read_made(keys, found, made, deadline, out)
+        if self._direct and all(loc.size >= _DIRECT_MIN for _, loc in found):
+            made = made or [alloc(loc.size) for _, loc in found]
+            regions = self._register_for(made, found)
+            if regions is not None:
+                assert self.engine is not None
+                try:
+                    return self._read_made(keys, found, made, deadline, out)
+                finally:
+                    for region in regions:
+                        self.engine.unregister(region)
         with self._stage([loc.size for _, loc in found]) as addrs:
             errors = self._reader.read(
                 [(loc, a) for (_, loc), a in zip(found, addrs, strict=True)], deadline
             )
-            for (i, loc), addr, err in zip(found, addrs, errors, strict=True):
-                if err is None:
-                    out[i] = self._copy_out(addr, loc.size, alloc)
-                else:
+            for k, ((i, loc), addr, err) in enumerate(zip(found, addrs, errors, strict=True)):
+                if err is not None:
                     log.info("get %r failed, reported as a miss: %s", keys[i], err)
+                elif as_bytes:
+                    out[i] = ctypes.string_at(addr, loc.size) if loc.size else b""  # type: ignore[assignment]
+                else:
+                    assert made is not None
+                    value, dest = made[k]
+                    if loc.size:
+                        ctypes.memmove(dest, addr, loc.size)
+                    out[i] = value
         return out
 
-    @staticmethod
-    def _copy_out(addr: int, size: int, alloc: Alloc[T]) -> T:
-        if alloc is _alloc_bytes:  # type: ignore[comparison-overlap]
-            # needs no payload offset (direct reads do, and are off without one)
-            return ctypes.string_at(addr, size) if size else b""  # type: ignore[return-value]
-        value, dest = alloc(size)
-        if size:
-            ctypes.memmove(dest, addr, size)
-        return value
+    def _read_made(
+        self,
+        keys: list[str],
+        found: list[tuple[int, Loc]],
+        made: list[tuple[T, int]],
+        deadline: float,
+        out: list[T | None],
+    ) -> list[T | None]:
+        assert self._reader is not None
+        errors = self._reader.read(
+            [(loc, a) for (_, loc), (_, a) in zip(found, made, strict=True)], deadline
+        )
+        for (i, _), (value, _), err in zip(found, made, errors, strict=True):
+            if err is None:
+                out[i] = value
+            else:
+                log.info("get %r failed, reported as a miss: %s", keys[i], err)
+        return out
 
-    def _get_direct(
-        self, keys: list[str], found: list[tuple[int, Loc]], deadline: float, alloc: Alloc[T]
-    ) -> list[T | None] | None:
-        """Read large values straight into new objects (registered for the read), saving the
-        copy out of staging; None when that cannot be done (then stage)."""
-        assert self.engine is not None and self._reader is not None
-        made = [alloc(loc.size) for _, loc in found]
-        values = [v for v, _ in made]
+    def _register_for(
+        self, made: list[tuple[Any, int]], found: list[tuple[int, Loc]]
+    ) -> list[Any] | None:
+        """Register the new objects' memory for one direct read (None: stage instead)."""
+        assert self.engine is not None
         ranges = [(a, loc.size) for (_, a), (_, loc) in zip(made, found, strict=True)]
         if any(
             self.engine.local.find(a, 1) or self.engine.local.find(a + n - 1, 1) for a, n in ranges
         ):
             return None  # memory someone registered and freed: stay out of its way
         try:
-            regions = self.engine.register_many(ranges, owner=values, check=False)  # ours
+            regions: list[Any] = self.engine.register_many(
+                ranges, owner=[v for v, _ in made], check=False
+            )
         except MooncakeConnectorsError as exc:
             log.debug("direct get unavailable (%s); staging instead", exc)
             return None
-        try:
-            errors = self._reader.read(
-                [(loc, a) for (_, loc), (a, _) in zip(found, ranges, strict=True)], deadline
-            )
-        finally:
-            for region in regions:
-                self.engine.unregister(region)
-        out: list[T | None] = []
-        for (i, _), value, err in zip(found, values, errors, strict=True):
-            if err is not None:
-                log.info("get %r failed, reported as a miss: %s", keys[i], err)
-            out.append(value if err is None else None)
-        return out
+        return regions
 
     def get_into(self, key: str, addr: int, size: int) -> int | None:
         """Read ``key`` into registered memory; bytes read, or None on a miss."""
