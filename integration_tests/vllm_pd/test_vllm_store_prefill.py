@@ -74,6 +74,8 @@ def cluster(tiny_model: Path, log_dir: Path) -> Iterator[Cluster]:
         b.launch()
         a.wait_ready()
         b.wait_ready()
+        for e in (a, b):  # each API server's first /metrics while idle, not beside A's decoding
+            e.metric(HITS)
         keys = BlockKeys("vllm", str(tiny_model), f"bfloat16.b{BLOCK}.h2x64", Shard(False, 0, 1))
         yield Cluster(master, server, a, b, keys)
     finally:

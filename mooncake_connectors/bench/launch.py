@@ -259,9 +259,11 @@ class VllmServer(Server):
         env.update({k[4:]: str(n) for k, n in self.reserved.items() if k.startswith("env:")})
         return env
 
-    def metric(self, name: str, label: str = "") -> float:
-        """Sum of a Prometheus metric over its label sets that contain ``label`` (0: absent)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+    def metric(self, name: str, label: str = "", timeout: float = 60) -> float:
+        """Sum of a Prometheus metric over its label sets that contain ``label`` (0: absent).
+        ``timeout``: an engine's API server shares two cores with a decoding engine in the
+        tests and answered its first ``/metrics`` in over 10 s there."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=timeout) as r:
             text = r.read().decode()
         total = 0.0
         for line in text.splitlines():
