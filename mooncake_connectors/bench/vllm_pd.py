@@ -29,7 +29,12 @@ length, ``rounds`` prompts go through prefill then decode, and we record
 
 Ours runs with its default transports and, by default, TCP only as well (``tcp_only``), the
 like-for-like column against Mooncake's tcp. Every system's engine pair is up at once and the
-systems take turns at each prompt length, so machine noise hits all alike.
+systems take turns at each prompt length, so machine noise hits all alike. Each turn starts
+``TURN_PAUSE`` (1.2 s) after the previous one ended: a vLLM worker polls its queue for a second
+after its last step, on the core the next system's engine of the same role is pinned to. Without
+the pause the first request of every turn ran beside that polling (with ``--cold-sizes``, before
+this pause: each system's first request of a length 1.5-2.5x its warmed median, ours and
+Mooncake's alike; ours alone, no other pair up: 0.9-1.2x).
 
 ``with_mooncake_on_ours`` (CLI ``--mooncake-on-ours``) adds the same vLLM ``MooncakeConnector``,
 unmodified, on our transfer engine through the ``mooncake`` alias, TCP only: beside the wheel's
@@ -103,6 +108,9 @@ except Exception:
 COLD_WARMUPS = 2
 COLD_WARMUP_TOKENS = 64
 COLD_MIN_REQUESTS = 24
+# s before each system's turn at a length: a vLLM worker keeps polling its input queue for 1 s
+# after a step, on its engine's core, which the next system's engine of that role shares
+TURN_PAUSE = 1.2
 
 
 class _Ours:
@@ -409,6 +417,9 @@ def run_pd_benchmark(
         for length in lengths:
             for runner in runners:  # each system in turn, at each length
                 prefill, decode = pairs[runner.pair]
+                # The system before this one left its workers polling their queues, on the
+                # cores these engines use, for a second after their last step: wait them out.
+                time.sleep(TURN_PAUSE)
                 ttft, legs, same, times = [], [], [], []
                 hits_before, sent = decode.metric(HITS), 0
                 for r in range(rounds):
