@@ -12,6 +12,14 @@ holding the memory, the backend in this process as a pure client:
   mooncake    SGLang's MooncakeStore on the Mooncake wheel: ``mooncake_master`` and a
               ``MooncakeDistributedStore`` data owner, protocol tcp (the wheel has no shm path)
 
+With ``mooncake_on_ours`` (``--mooncake-on-ours``) the ``mooncake`` system is SGLang's
+MooncakeStore, unmodified, on our store instead: the ``mooncake`` alias is installed in this
+process before SGLang imports ``mooncake.store``, its client is a pure client of our ``master``
+and ``store-server`` (the ones ``ours`` uses), TCP only (data and control), and no wheel process
+starts. One process cannot hold the wheel and the alias at once, so what switching that backend
+to our store costs is two runs, one in each mode, in one window; ``ours_tcp`` runs in both and is
+the yardstick between them (``system_mooncake`` in the JSON says which one ran).
+
 Rounds interleave the systems so machine noise hits all alike; round 0 warms up and is dropped.
 Per case, op and system: pages/s, GB/s, p50/p99 of one call (ms). Ratios: ours ÷ mooncake and
 ours_tcp ÷ mooncake; against Mooncake's tcp the like-for-like headline is ours_tcp's.
@@ -20,6 +28,7 @@ ours_tcp ÷ mooncake; against Mooncake's tcp the like-for-like headline is ours_
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import subprocess
 import time
@@ -29,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..config import TRANSPORTS_ENV
 from ..store.config import parse_size
 from .procs import (
     CLI,
@@ -92,7 +102,9 @@ def _storage_config(pool: Any, extra: dict[str, Any]) -> Any:
 class _Stores:
     """The store processes of every system, started once for the whole run."""
 
-    def __init__(self, memory: int, with_mooncake: bool, notes: list[str]) -> None:
+    def __init__(
+        self, memory: int, with_mooncake: bool, notes: list[str], on_ours: bool = False
+    ) -> None:
         self.procs: list[subprocess.Popen[Any]] = []
         cli = CLI
         self.ours = start_master([], self.procs)
@@ -100,7 +112,14 @@ class _Stores:
             _quiet([*cli, "store-server", "--master", self.ours, "--memory", str(memory)])
         )
         self.mooncake: tuple[str, str] | None = None
-        if with_mooncake:
+        self.store_class = ""  # the class of the mooncake system's client, once one is made
+        self.on_ours = on_ours
+        if on_ours:
+            from ..compat_alias import install_as_mooncake
+
+            install_as_mooncake()  # ConfigError if the wheel was imported first: never mixed
+            self.mooncake = (self.ours, "P2PHANDSHAKE")
+        elif with_mooncake:
             try:
                 self.mooncake = self._start_mooncake(memory)
             except (ImportError, OSError, RuntimeError) as exc:
@@ -125,7 +144,24 @@ class _Stores:
                 "global_segment_size": 0,  # a pure client, like ours
                 "local_hostname": "127.0.0.1",
             }
-            b = StorageBackendFactory.create_backend("mooncake", _storage_config(pool, extra), pool)
+            if not self.on_ours:
+                b = StorageBackendFactory.create_backend(
+                    "mooncake", _storage_config(pool, extra), pool
+                )
+            else:  # the facade reads its transports from the environment at setup
+                saved = os.environ.get(TRANSPORTS_ENV)
+                os.environ[TRANSPORTS_ENV] = "tcp"
+                try:
+                    b = StorageBackendFactory.create_backend(
+                        "mooncake", _storage_config(pool, extra), pool
+                    )
+                finally:
+                    if saved is None:
+                        os.environ.pop(TRANSPORTS_ENV, None)
+                    else:
+                        os.environ[TRANSPORTS_ENV] = saved
+            store = type(getattr(b, "store", None))
+            self.store_class = f"{store.__module__}.{store.__qualname__}"  # whose client it has
         else:
             extra = {
                 "backend_name": "mooncake_connectors",
@@ -164,11 +200,12 @@ def run_sglang_benchmark(
     memory: str = "1G",
     with_mooncake: bool = True,
     with_layer_first: bool = True,
+    mooncake_on_ours: bool = False,
 ) -> dict[str, Any]:
     notes: list[str] = []
     mem = parse_size(memory)
     samples: dict[str, dict[str, dict[str, list[tuple[float, list[float], int]]]]] = {}
-    stores = _Stores(mem, with_mooncake, notes)
+    stores = _Stores(mem, with_mooncake, notes, on_ours=mooncake_on_ours)
     try:
         for case in [c.strip() for c in cases.split(",") if c.strip()]:
             layouts = ["page_first"] + (["layer_first"] if with_layer_first else [])
@@ -180,7 +217,14 @@ def run_sglang_benchmark(
                 _run_case(stores, label, case, layout, systems, pages, mem, rounds, samples, notes)
     finally:
         stores.close()
-    return _summarise(samples, rounds, pages, notes)
+    out = _summarise(samples, rounds, pages, notes)
+    out["mooncake_store_class"] = stores.store_class
+    out["system_mooncake"] = (
+        "SGLang's MooncakeStore on mooncake-connectors (mooncake alias, tcp)"
+        if mooncake_on_ours
+        else "SGLang's MooncakeStore on the mooncake-transfer-engine wheel (tcp)"
+    )
+    return out
 
 
 def _run_case(

@@ -27,7 +27,11 @@ holds every time and the median of the per-pair ratios.
 default on): its client's data and control messages over loopback TCP, as Mooncake's ``tcp``
 works, so ``ttft_ratio_ours_tcp_over_theirs`` is the like-for-like figure. The systems run one
 after the other in one window; medians per length are reported, and
-``ttft_ratio_ours_over_theirs`` per length (target: <= 1.0).
+``ttft_ratio_ours_over_theirs`` per length (target: <= 1.0). ``--mooncake-on-ours`` adds vLLM's
+``MooncakeStoreConnector`` itself on our store through the ``mooncake`` alias (our master and
+store server, the same standalone-store config, TCP only): ``ttft_ratio_theirs_on_ours_over_theirs``
+and ``saver_ttft_ratio_theirs_on_ours_over_theirs`` are what switching that connector's store to
+ours costs, per length, against the wheel.
 
 ``saver_ttft_ms`` is A's time to its first token on the saved prompts (what saving costs the
 first instance, with saves during the prefill). ``save_during_prefill`` sets that key of ours
@@ -49,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..config import ALIAS_ENV, TRANSPORTS_ENV
 from .launch import (
     FRESH_PORT,
     StoreMaster,
@@ -210,7 +215,52 @@ class _Theirs:
             _stop(p)
 
 
+class _TheirsOnOurs(_Theirs):
+    """The same vLLM ``MooncakeStoreConnector``, unmodified, on our store: the ``mooncake``
+    alias on in the engines (``from mooncake.store import MooncakeDistributedStore`` gets our
+    facade), our ``master`` and ``store-server`` where ``mooncake_master`` and the wheel's data
+    owner stood, the same standalone-store config, the engines' clients TCP only (data and
+    control) as the wheel's ``tcp``."""
+
+    name = "vLLM MooncakeStoreConnector on mooncake-connectors (mooncake alias, tcp)"
+
+    def __init__(self, work: Path, memory: str) -> None:
+        super().__init__(work, memory)
+        self.config_path = work / "mooncake-store-on-ours.json"
+        self.servers: list[Any] = []
+
+    def start_store(self) -> None:
+        master = StoreMaster(self.work, server_ttl=5.0)
+        self.servers.append(master)
+        master.launch().wait_ready(60)
+        server = StoreServerProcess(self.work, master.address, self.memory)
+        self.servers.append(server)
+        server.launch().wait_ready(60)
+        self.config_path.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "",  # ours: the master's metadata service
+                    "master_server_address": master.address,
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "mode": "standalone-store",
+                    "global_segment_size": 0,
+                    "local_buffer_size": 64 << 20,
+                }
+            )
+        )
+
+    def env(self) -> dict[str, str]:
+        return super().env() | {ALIAS_ENV: "1", TRANSPORTS_ENV: "tcp"}
+
+    def stop(self) -> None:
+        for p in reversed(self.servers):
+            p.stop()
+
+
 def _tag(runner: Any) -> str:
+    if isinstance(runner, _TheirsOnOurs):
+        return "theirs_on_ours"
     tag = "theirs" if isinstance(runner, _Theirs) else "ours"
     if isinstance(runner, _Ours):
         tag += "_tcp" if runner.transports == ("tcp",) else ""
@@ -253,6 +303,7 @@ def run_store_benchmark(
     rounds: int = 3,
     max_tokens: int = 16,
     with_mooncake: bool = True,
+    with_mooncake_on_ours: bool = False,
     with_ours: bool = True,
     with_ours_async: bool = False,
     with_ours_sync_lookup: bool = False,
@@ -298,6 +349,8 @@ def run_store_benchmark(
             skipped = "mooncake-transfer-engine wheel not installed"
         else:
             runners.append(_Theirs(work, memory))
+    if with_mooncake_on_ours:  # needs no wheel: the alias stands in for it
+        runners.append(_TheirsOnOurs(work, memory))
     total = len(runners) * len(lengths) * (rounds + 1)
     done = 0
     max_len = max(*lengths, 600) + max(max_tokens, overlap_tokens) + 64  # 600: the warm-ups
@@ -436,8 +489,23 @@ def run_store_benchmark(
             }
     if paired:
         out["cold_paired"] = paired
-    theirs = next((results[r.name] for r in runners if isinstance(r, _Theirs)), None)
+    theirs = next(
+        (results[r.name] for r in runners if type(r) is _Theirs),  # the wheel's, not the alias
+        None,
+    )
     for r in runners:
+        if isinstance(r, _TheirsOnOurs) and theirs is not None:
+            on_ours = results[r.name]
+            out["ttft_ratio_theirs_on_ours_over_theirs"] = {
+                k: round(on_ours[k]["ttft_ms"] / theirs[k]["ttft_ms"], 3)
+                for k in on_ours
+                if theirs.get(k, {}).get("ttft_ms")
+            }
+            out["saver_ttft_ratio_theirs_on_ours_over_theirs"] = {
+                k: round(on_ours[k]["saver_ttft_ms"] / theirs[k]["saver_ttft_ms"], 3)
+                for k in on_ours
+                if theirs.get(k, {}).get("saver_ttft_ms")
+            }
         if isinstance(r, _Ours) and theirs is not None:
             ours = results[r.name]
             key = "ttft_ratio_ours_over_theirs" + ("_load_async" if r.load_async else "")

@@ -191,6 +191,12 @@ def bench_vllm_store(
         bool,
         typer.Option(help="Also run vLLM's MooncakeStoreConnector when Mooncake's wheel is there."),
     ] = True,
+    mooncake_on_ours: Annotated[
+        bool,
+        typer.Option(
+            help="Also run vLLM's MooncakeStoreConnector on our store (the mooncake alias, tcp)."
+        ),
+    ] = False,
     ours: Annotated[bool, typer.Option(help="Run our MooncakeConnectorsStore.")] = True,
     ours_async: Annotated[
         bool, typer.Option(help="Also run ours with load_async (loads on a worker thread).")
@@ -240,6 +246,7 @@ def bench_vllm_store(
             rounds=rounds,
             max_tokens=max_tokens,
             with_mooncake=mooncake,
+            with_mooncake_on_ours=mooncake_on_ours,
             with_ours=ours,
             with_ours_async=ours_async,
             with_ours_sync_lookup=ours_sync_lookup,
@@ -446,6 +453,12 @@ def bench_sglang(
     layer_first: Annotated[
         bool, typer.Option(help="Also measure layer_first pools (ours only).")
     ] = True,
+    mooncake_on_ours: Annotated[
+        bool,
+        typer.Option(
+            help="The mooncake system: SGLang's Mooncake backend on our store (the alias, tcp)."
+        ),
+    ] = False,
     output: Output = None,
     verbose: Verbose = 0,
 ) -> None:
@@ -461,6 +474,7 @@ def bench_sglang(
         memory=memory,
         with_mooncake=mooncake,
         with_layer_first=layer_first,
+        mooncake_on_ours=mooncake_on_ours,
     )
     text = json.dumps(result, indent=2)
     if output:
