@@ -85,6 +85,18 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[i
     return 1e3 * (first - t0), ids
 
 
+def _start_our_store(work: Path, memory: str, procs: list[Any]) -> str:
+    """Our master and one store server of ``memory``, appended to ``procs`` as they start;
+    returns the master's address once both answer."""
+    master = StoreMaster(work, server_ttl=5.0)
+    procs.append(master)
+    master.launch().wait_ready(60)
+    server = StoreServerProcess(work, master.address, memory)
+    procs.append(server)
+    server.launch().wait_ready(60)
+    return master.address
+
+
 class _Ours:
     def __init__(
         self,
@@ -114,13 +126,7 @@ class _Ours:
         self.master = ""
 
     def start_store(self) -> None:
-        master = StoreMaster(self.work, server_ttl=5.0)
-        self.procs.append(master)
-        master.launch().wait_ready(60)
-        server = StoreServerProcess(self.work, master.address, self.memory)
-        self.procs.append(server)
-        server.launch().wait_ready(60)
-        self.master = master.address
+        self.master = _start_our_store(self.work, self.memory, self.procs)
 
     def kv(self) -> dict[str, Any]:
         return {
@@ -181,10 +187,14 @@ class _Theirs:
         from .procs import start_mooncake_store
 
         master, meta = start_mooncake_store(parse_size(self.memory), self.procs)
+        self._write_config(master, meta)
+
+    def _write_config(self, master: str, metadata: str) -> None:
+        """MOONCAKE_CONFIG_PATH's file: standalone store, the engines pure clients, tcp."""
         self.config_path.write_text(
             json.dumps(
                 {
-                    "metadata_server": meta,
+                    "metadata_server": metadata,
                     "master_server_address": master,
                     "protocol": "tcp",
                     "device_name": "",
@@ -230,25 +240,8 @@ class _TheirsOnOurs(_Theirs):
         self.servers: list[Any] = []
 
     def start_store(self) -> None:
-        master = StoreMaster(self.work, server_ttl=5.0)
-        self.servers.append(master)
-        master.launch().wait_ready(60)
-        server = StoreServerProcess(self.work, master.address, self.memory)
-        self.servers.append(server)
-        server.launch().wait_ready(60)
-        self.config_path.write_text(
-            json.dumps(
-                {
-                    "metadata_server": "",  # ours: the master's metadata service
-                    "master_server_address": master.address,
-                    "protocol": "tcp",
-                    "device_name": "",
-                    "mode": "standalone-store",
-                    "global_segment_size": 0,
-                    "local_buffer_size": 64 << 20,
-                }
-            )
-        )
+        master = _start_our_store(self.work, self.memory, self.servers)
+        self._write_config(master, "")  # "": our client uses the master's metadata service
 
     def env(self) -> dict[str, str]:
         return super().env() | {ALIAS_ENV: "1", TRANSPORTS_ENV: "tcp"}
