@@ -33,8 +33,8 @@ systems take turns at each prompt length, so machine noise hits all alike. Each 
 ``TURN_PAUSE`` (1.2 s) after the previous one ended: a vLLM worker polls its queue for a second
 after its last step, on the core the next system's engine of the same role is pinned to. Without
 the pause the first request of every turn ran beside that polling (with ``--cold-sizes``, before
-this pause: each system's first request of a length 1.5-2.5x its warmed median, ours and
-Mooncake's alike; ours alone, no other pair up: 0.9-1.2x).
+this pause, in three runs: each system's first request of a length up to 1.6-2.5x its warmed
+median, ours and Mooncake's alike; ours alone, no other pair up: 0.87-1.19x).
 
 ``with_mooncake_on_ours`` (CLI ``--mooncake-on-ours``) adds the same vLLM ``MooncakeConnector``,
 unmodified, on our transfer engine through the ``mooncake`` alias, TCP only: beside the wheel's
