@@ -4,11 +4,13 @@ vLLM's hybrid KV cache manager left on (``disable_hybrid_kv_cache_manager=False`
 refuses for a connector without ``SupportsHMA``), a sliding-window group and a full-attention
 group, a real store in this process, and KV-shaped tensors for the workers (one tensor shared by
 both groups' layers, as vLLM lays them out): what is saved and loaded per group, and how many
-tokens are a hit when the groups hold different blocks.
+tokens are a hit when the groups hold different blocks. ``save_during_prefill`` is off unless a
+test says otherwise (the finish-time save); the step-save tests prefill in chunks of 40 tokens.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from store_cluster import in_process_store
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
 import torch
-from test_pd_scheduler import BS, NUM_BLOCKS, request, step
+from test_pd_scheduler import BS, NUM_BLOCKS, free_blocks, request, step
 from test_vllm_store_scheduler import LAYERS, PROMPT, connected, done, meta
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -45,7 +47,7 @@ from mooncake_connectors.adapters.vllm.store_scheduler import (
     block_keys,
     group_windows,
 )
-from mooncake_connectors.adapters.vllm.store_worker import StoreWorker
+from mooncake_connectors.adapters.vllm.store_worker import _SAVE, StoreWorker
 from mooncake_connectors.errors import ConfigError
 from mooncake_connectors.store import ClientConfig, StoreClient
 
@@ -76,8 +78,14 @@ def store() -> Iterator[tuple[str, Any]]:
         yield store
 
 
-def hybrid_config(model: Path, master: str) -> VllmConfig:
-    extra = {"master": master, "timeout": 3.0, "load_async": True, "lookup_async": False}
+def hybrid_config(model: Path, master: str, save_during_prefill: bool = False) -> VllmConfig:
+    extra = {
+        "master": master,
+        "timeout": 3.0,
+        "load_async": True,
+        "lookup_async": False,
+        "save_during_prefill": save_during_prefill,
+    }
     vc = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="bfloat16", max_model_len=2048, seed=0),
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
@@ -99,8 +107,8 @@ def hybrid_config(model: Path, master: str) -> VllmConfig:
     return vc
 
 
-def scheduler(model: Path, master: str) -> Scheduler:
-    vc = hybrid_config(model, master)
+def scheduler(model: Path, master: str, save_during_prefill: bool = False) -> Scheduler:
+    vc = hybrid_config(model, master, save_during_prefill)
     s = Scheduler(vc, HYBRID, StructuredOutputManager(vc), block_size=BS, log_stats=False)
     assert isinstance(s.connector, MooncakeConnectorsStore)
     return connected(s)
@@ -245,3 +253,107 @@ def test_worker_skips_null_blocks_and_fails_loads_from_the_first_missing_block(
     finally:
         wa.shutdown()
         wb.shutdown()
+
+
+def chunked(model: Path, master: str) -> Scheduler:
+    s = scheduler(model, master, save_during_prefill=True)
+    s.max_num_scheduled_tokens = 40  # vLLM's token budget per step: the prompt takes 3 steps
+    return s
+
+
+def test_step_saves_carry_every_group_so_a_shorter_prefix_hits(tiny_model: Path, store) -> None:
+    hashes = prompt_block_hashes(PROMPT, BS)  # 6 full blocks
+    src = torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD).to(torch.bfloat16)
+    dst = torch.zeros_like(src)
+    wa, wb = worker(tiny_model, store[0], src), worker(tiny_model, store[0], dst)
+    try:
+        a = chunked(tiny_model, store[0])
+        idle = free_blocks(a)
+        a.add_request(request("r1", PROMPT, 2))
+        saved: dict[str, list[int]] = {}  # hash -> the block each group saved it from
+        for want, blocks in ((40, [0, 1]), (40, [2, 3, 4]), (20, [5])):
+            out, _ = step(a, {"r1": 5} if want == 20 else None, partial=True)
+            assert out.num_scheduled_tokens == {"r1": want}
+            (save,) = meta(out).saves
+            held = allocated(a, "r1")
+            assert save.step and save.hashes == [hashes[i] for i in blocks]
+            assert save.groups[FULL] == [held[FULL][i] for i in blocks]
+            # every block this step computed, the sliding-window group's too: vLLM holds them
+            # until the next step, which frees those that left the window
+            assert save.groups[SWA] == [held[SWA][i] for i in blocks] and all(save.groups[SWA])
+            for i, h in enumerate(save.hashes):
+                saved[h] = [save.groups[SWA][i], save.groups[FULL][i]]
+            wa.start_load_kv(StoreConnectorMetadata(saves=[save]))  # the step's forward pass,
+            wa.wait_for_save()  # then its saves are queued
+        assert allocated(a, "r1")[SWA][:3] == [0, 0, 0]  # the window moved on at the last step
+        out, finished = step(a, {"r1": 6})
+        assert "r1" in finished and not meta(out).saves  # nothing left to write
+        out, _ = step(a)
+        (last,) = meta(out).saves
+        assert not last.step and last.block_ids == [] and last.request_id == "r1"
+        wa.start_load_kv(StoreConnectorMetadata(saves=[last]))
+        wait_until(lambda: done(wa, 0, "r1"), 10, "the saves")
+        assert free_blocks(a) < idle  # kept until the workers report the saves done
+        step(a, kv=KVConnectorOutput(finished_sending={"r1"}))
+        assert free_blocks(a) == idle
+
+        # a prompt sharing 4 full blocks: a hit of 4 needs the window's blocks 2 and 3, which a
+        # finish-time save would not have had (freed at the last step)
+        other = PROMPT[:64] + list(range(300, 336))
+        b = scheduler(tiny_model, store[0])
+        b.add_request(request("r2", other, 3))
+        (load,) = meta(step(b)[0]).loads
+        got = allocated(b, "r2")
+        assert load.error is None and load.hashes == hashes[:4]
+        assert load.groups[SWA] == [0, 0, *got[SWA][2:4]] and load.groups[FULL] == got[FULL][:4]
+        wb.start_load_kv(StoreConnectorMetadata(loads=[load]))
+        wait_until(lambda: done(wb, 1, "r2"), 10, "the load")
+        assert wb.take_load_errors() == set()
+        for g in (SWA, FULL):
+            for h, d_blk in zip(load.hashes, load.groups[g], strict=True):
+                if d_blk:
+                    assert torch.equal(src[saved[h][g]], dst[d_blk]), (g, h, d_blk)
+    finally:
+        wa.shutdown()
+        wb.shutdown()
+
+
+def test_the_next_step_waits_for_step_saves_of_several_groups(tiny_model: Path, store) -> None:
+    hashes = prompt_block_hashes(PROMPT, BS)[:2]
+    w = worker(tiny_model, store[0], torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD))
+    gate = threading.Event()
+    try:
+        w._submit(_SAVE, gate.wait)  # the store thread busy: what is queued behind it waits
+        save = BlockSpec("s", [3, 4, 5, 6], hashes, groups=[[3, 4], [5, 6]], step=True)
+        w.start_load_kv(StoreConnectorMetadata(saves=[save]))
+        w.wait_for_save()  # queued behind the gate
+        nxt = threading.Thread(target=w.start_load_kv, args=(StoreConnectorMetadata(),))
+        nxt.start()
+        nxt.join(0.5)
+        assert nxt.is_alive(), "the next step went on while a window block's save was queued"
+        gate.set()
+        nxt.join(10)
+        assert not nxt.is_alive()
+        keys: list[str] = []
+        for g in (SWA, FULL):
+            gkeys, layers = block_keys(
+                StoreConnectorConfig(master=store[0]),
+                hybrid_config(tiny_model, store[0]),
+                HYBRID,
+                g,
+            )
+            keys += gkeys.keys(hashes, layers)
+        with StoreClient(ClientConfig(master=store[0])) as c:
+            assert all(c.batch_exists(keys))  # written before the next step began
+        # once waited for, the step after does not wait again, though the thread is busy
+        again = threading.Event()
+        w._submit(_SAVE, again.wait)
+        nxt = threading.Thread(target=w.start_load_kv, args=(StoreConnectorMetadata(),))
+        nxt.start()
+        nxt.join(10)
+        done_at_once = not nxt.is_alive()
+        again.set()
+        assert done_at_once
+    finally:
+        gate.set()
+        w.shutdown()

@@ -11,15 +11,17 @@ Save: when a request finishes normally, its full prompt blocks are handed to the
 write those the store lacks; vLLM keeps the blocks until the workers report the save done. With
 ``save_during_prefill`` (default), each step also hands over the full prompt blocks it completes
 (``step`` saves, written after that step's forward pass), so a long prompt prefilled in chunks is
-in the store before its request ends; the finish-time save then covers what is left (one KV
-cache group only: with several, blocks are saved when the request finishes).
+in the store before its request ends; the finish-time save then covers what is left.
 
 Several KV cache groups (vLLM's hybrid KV cache manager, e.g. sliding-window and full-attention
 layers): each group has its own blocks, and a sliding-window group holds only the blocks of its
 window (vLLM's null block, id 0, stands for the others). A save writes every block each group
 still holds; a hit ends at a block where every group has what vLLM allocates for it there (all
 blocks from the lookup's first for full attention, the window's for sliding window); a load reads
-only the blocks vLLM allocated.
+only the blocks vLLM allocated. A step save writes what each group holds of the blocks its step
+completed: a sliding-window group's blocks that leave the window are freed at the next step, so
+the workers finish a step's saves before the next step's forward pass may write those blocks
+(:mod:`.store_worker`).
 """
 
 from __future__ import annotations
@@ -263,8 +265,8 @@ class StoreScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
-        if self.save and self.config.save_during_prefill and self.windows is None:
-            self._requests[rid] = request  # step saves: one KV cache group only
+        if self.save and self.config.save_during_prefill:
+            self._requests[rid] = request  # step saves
         if not self.load or rid in self._loaded:
             return 0, False
         start = num_computed_tokens // self.block_size
@@ -346,6 +348,8 @@ class StoreScheduler:
             self._loads.append(BlockSpec(rid, flat, [], "fewer blocks allocated than the hit"))
             return
         self._loads.append(BlockSpec(rid, flat, hashes[start:end], groups=groups))
+        if rid in self._requests:  # loaded from the store: nothing there to save again
+            self._handed[rid] = max(self._handed.get(rid, 0), end)
 
     # -- both --------------------------------------------------------------------------------
     def build_connector_meta(self, out: object = None) -> StoreConnectorMetadata:
@@ -390,12 +394,9 @@ class StoreScheduler:
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
         per_group = block_ids if isinstance(block_ids, tuple) else (block_ids,)
         n = min(len(hashes), computed // self.block_size, *(len(g) for g in per_group))
-        if handed > 0:  # step saves issued (one group): the rest, queued behind them (maybe none)
+        if handed > 0:  # step saves issued: the rest, queued behind them (maybe none)
             first = min(handed, max(n, 0))
-            ids = list(per_group[0][first:n])
-            spec = self._save_spec(request, ids, hashes[first:n], first)
-            spec.parent = hashes[first - 1] if first else None
-            self._saves.append(spec)
+            self._saves.append(self._rest_spec(request, per_group, hashes, first, n))
             return True, None
         if n <= 0 or self.store.ready() is None:
             return False, None
@@ -407,6 +408,27 @@ class StoreScheduler:
         spec.groups = groups
         self._saves.append(spec)
         return True, None  # vLLM keeps the blocks until the workers report the save done
+
+    def _rest_spec(
+        self,
+        request: Request,
+        per_group: tuple[list[int], ...] | list[list[int]],
+        hashes: list[str],
+        first: int,
+        end: int,
+    ) -> BlockSpec:
+        """The save of the prompt's blocks ``first`` to ``end`` (exclusive), after the blocks
+        before ``first`` were handed over: ``per_group`` is each KV cache group's block list
+        (one list with one group)."""
+        if self.windows is None:
+            spec = self._save_spec(request, list(per_group[0][first:end]), hashes[first:end], first)
+        else:
+            groups = [list(g[first:end]) for g in per_group]
+            flat = [b for g in groups for b in g if b]  # 0: vLLM's null block, none held
+            spec = self._save_spec(request, flat, hashes[first:end], first)
+            spec.groups = groups
+        spec.parent = hashes[first - 1] if first else None
+        return spec
 
     def _save_spec(
         self, request: Request, block_ids: list[int], hashes: list[str], first: int = 0

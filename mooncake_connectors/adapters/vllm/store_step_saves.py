@@ -4,8 +4,8 @@ Called from the scheduler's ``build_connector_meta``, which vLLM calls before it
 tokens to each request: a scheduled request's blocks completed by the end of this step are
 those below ``num_computed_tokens + num_scheduled_tokens`` (prompt tokens only). Each request's
 blocks not handed over yet become one ``step`` save; the workers write it after the step's
-forward pass (``wait_for_save``). One KV cache group only (the scheduler tracks no request
-otherwise).
+forward pass (``wait_for_save``). With several KV cache groups each group's blocks of those
+indices go with it (vLLM's null block, 0, where a sliding-window group holds none).
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ def step_saves(sched: StoreScheduler, out: Any) -> None:
         groups = state.get_block_ids(rid)
         if not groups:
             continue
-        done = min(done, len(hashes), len(groups[0]))
+        done = min(done, len(hashes), *(len(g) for g in groups))
         if done <= first:
             continue
-        spec = sched._save_spec(request, list(groups[0][first:done]), hashes[first:done], first)
+        spec = sched._rest_spec(request, groups, hashes, first, done)
         spec.step = True
-        spec.parent = hashes[first - 1] if first else None
         sched._saves.append(spec)
         sched._handed[rid] = done

@@ -23,6 +23,10 @@ queued in ``wait_for_save``, after the step's forward pass wrote them, and are n
 a request that ends after step saves gets one more save, queued behind them, that reports it, so
 vLLM frees its blocks only once every save has read them. Before a step's forward pass
 overwrites a preempted request's freed blocks, ``handle_preemptions`` waits for the saves queued.
+With several KV cache groups a sliding-window group frees the blocks that leave its window at
+the next step, while the request runs: a step that queued step saves of several groups makes
+the next step's ``start_load_kv`` wait (bounded) for them before anything may write those
+blocks (that step's loads, its forward pass).
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ class StoreWorker:
         )
         self._seq = itertools.count()
         self._step_saves: list[BlockSpec] = []  # queued at this step's wait_for_save
+        # step saves of several KV cache groups queued: the next step waits for them first
+        self._fence = False
         self._thread = threading.Thread(target=self._run, name="mc-store-io", daemon=True)
         self._thread.start()
 
@@ -153,6 +159,9 @@ class StoreWorker:
 
     # -- per step ----------------------------------------------------------------------------
     def start_load_kv(self, meta: StoreConnectorMetadata) -> None:
+        if self._fence:  # the last step's window blocks may be freed and written from now on
+            self._fence = False
+            self._wait_saves("step saves of sliding-window blocks")
         for spec in meta.loads:
             if self.config.load_async:
                 self._submit(_LOAD, lambda s=spec: self._load(s))  # type: ignore[misc]
@@ -169,15 +178,20 @@ class StoreWorker:
         specs, self._step_saves = self._step_saves, []
         for spec in specs:
             self._submit(_SAVE, lambda s=spec: self._save(s, report=False))  # type: ignore[misc]
+            self._fence = self._fence or bool(spec.groups)
 
     def handle_preemptions(self, meta: StoreConnectorMetadata) -> None:
         """Wait (bounded) for the saves queued so far: preempted requests' blocks are free."""
-        if not meta.preempted:
-            return
+        if meta.preempted:
+            self._wait_saves(f"a preemption of {sorted(meta.preempted)}")
+
+    def _wait_saves(self, why: str) -> None:
+        """Wait for every save queued so far; bounded by twice a store call's deadline (each
+        save ends by its own), then a warning and on."""
         done = threading.Event()
         self._submit(_SAVE, done.set)
         if not done.wait(2 * self.config.timeout + 5):
-            log.warning("saves still running at a preemption of %s", sorted(meta.preempted))
+            log.warning("saves still running at %s", why)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
