@@ -327,7 +327,9 @@ def test_the_next_step_waits_for_step_saves_of_several_groups(tiny_model: Path, 
         save = BlockSpec("s", [3, 4, 5, 6], hashes, groups=[[3, 4], [5, 6]], step=True)
         w.start_load_kv(StoreConnectorMetadata(saves=[save]))
         w.wait_for_save()  # queued behind the gate
-        nxt = threading.Thread(target=w.start_load_kv, args=(StoreConnectorMetadata(),))
+        # vLLM's model runner calls handle_preemptions first in every step, before it zeroes
+        # fresh blocks or copies any (copy-on-write), then start_load_kv
+        nxt = threading.Thread(target=w.handle_preemptions, args=(StoreConnectorMetadata(),))
         nxt.start()
         nxt.join(0.5)
         assert nxt.is_alive(), "the next step went on while a window block's save was queued"
@@ -345,10 +347,17 @@ def test_the_next_step_waits_for_step_saves_of_several_groups(tiny_model: Path, 
             keys += gkeys.keys(hashes, layers)
         with StoreClient(ClientConfig(master=store[0])) as c:
             assert all(c.batch_exists(keys))  # written before the next step began
-        # once waited for, the step after does not wait again, though the thread is busy
+        # once waited for, that step's start_load_kv and the step after do not wait again,
+        # though the store thread is busy
         again = threading.Event()
         w._submit(_SAVE, again.wait)
-        nxt = threading.Thread(target=w.start_load_kv, args=(StoreConnectorMetadata(),))
+
+        def next_steps() -> None:
+            w.start_load_kv(StoreConnectorMetadata())
+            w.handle_preemptions(StoreConnectorMetadata())
+            w.start_load_kv(StoreConnectorMetadata())
+
+        nxt = threading.Thread(target=next_steps)
         nxt.start()
         nxt.join(10)
         done_at_once = not nxt.is_alive()

@@ -25,8 +25,10 @@ vLLM frees its blocks only once every save has read them. Before a step's forwar
 overwrites a preempted request's freed blocks, ``handle_preemptions`` waits for the saves queued.
 With several KV cache groups a sliding-window group frees the blocks that leave its window at
 the next step, while the request runs: a step that queued step saves of several groups makes
-the next step's ``start_load_kv`` wait (bounded) for them before anything may write those
-blocks (that step's loads, its forward pass).
+the next step wait (bounded) for them before anything may write those blocks. vLLM 0.32's model
+runner calls ``handle_preemptions`` first in every step, before it zeroes freshly allocated
+blocks and makes its copy-on-write copies (``_update_states``), and long before the loads and
+the forward pass; the wait is there (``start_load_kv`` waits instead if it was not called).
 """
 
 from __future__ import annotations
@@ -159,9 +161,7 @@ class StoreWorker:
 
     # -- per step ----------------------------------------------------------------------------
     def start_load_kv(self, meta: StoreConnectorMetadata) -> None:
-        if self._fence:  # the last step's window blocks may be freed and written from now on
-            self._fence = False
-            self._wait_saves("step saves of sliding-window blocks")
+        self._wait_fence()  # handle_preemptions waited already, where vLLM calls it
         for spec in meta.loads:
             if self.config.load_async:
                 self._submit(_LOAD, lambda s=spec: self._load(s))  # type: ignore[misc]
@@ -181,9 +181,18 @@ class StoreWorker:
             self._fence = self._fence or bool(spec.groups)
 
     def handle_preemptions(self, meta: StoreConnectorMetadata) -> None:
-        """Wait (bounded) for the saves queued so far: preempted requests' blocks are free."""
+        """Called first in every step: wait (bounded) for the saves queued so far when a
+        preempted request's blocks are free, or the last step's step saves of several KV cache
+        groups may still read blocks this step frees and writes."""
         if meta.preempted:
+            self._fence = False
             self._wait_saves(f"a preemption of {sorted(meta.preempted)}")
+        self._wait_fence()
+
+    def _wait_fence(self) -> None:
+        if self._fence:  # the last step's window blocks may be freed and written from now on
+            self._fence = False
+            self._wait_saves("step saves of sliding-window blocks")
 
     def _wait_saves(self, why: str) -> None:
         """Wait for every save queued so far; bounded by twice a store call's deadline (each
