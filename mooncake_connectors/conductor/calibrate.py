@@ -37,6 +37,7 @@ from ..errors import ConfigError
 from .estimators import DecodeModel, PrefillModel, TransferModel, fit_prefill_model
 from .live import parse_vllm_metrics
 from .store_probe import StoreProbe
+from .upstream import upstream_connector
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024, 1536)
 
@@ -59,6 +60,11 @@ class Calibration:
             "decode": dataclasses.asdict(self.decode),
             "samples": [list(s) for s in self.samples],
         }
+
+
+def _session(timeout: float) -> ClientSession:
+    """A client session to the engines, every call bounded by ``timeout`` (in a running loop)."""
+    return ClientSession(timeout=ClientTimeout(total=timeout), connector=upstream_connector())
 
 
 async def _json(s: ClientSession, method: str, url: str, body: Any = None) -> Any:
@@ -119,7 +125,7 @@ async def _calibrate(
     if not prefill or not decode:
         raise ConfigError("calibration needs prefill and decode instances")
     rng = random.Random(seed)
-    async with ClientSession(timeout=ClientTimeout(total=timeout)) as s:
+    async with _session(timeout) as s:
         models = await _json(s, "GET", prefill[0] + "/v1/models")
         entry = models["data"][0]
         model, max_len = str(entry["id"]), int(entry.get("max_model_len") or 2048)
@@ -217,7 +223,7 @@ async def calibrate_store_load(
     rng = random.Random(seed)
     samples: list[tuple[int, float]] = []
     try:
-        async with ClientSession(timeout=ClientTimeout(total=timeout)) as s:
+        async with _session(timeout) as s:
             model = str((await _json(s, "GET", src + "/v1/models"))["data"][0]["id"])
             text = " ".join(f"v{rng.randrange(10**6)}" for _ in range(3000))
             pool = (await _json(s, "POST", src + "/tokenize", {"model": model, "prompt": text}))[

@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from ..errors import ConfigError, ProtocolError
 from ..pd import params as pdp
@@ -71,6 +71,7 @@ from .live import CacheSource, KVEventSubscriber, LiveConductor, parse_vllm_metr
 from .scheduler import Conductor, ConductorConfig
 from .store_probe import StoreProbe, key_inputs_of
 from .types import Admission, Placement, PlacementPolicy, Rejection
+from .upstream import upstream_connector
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +157,7 @@ class PDProxy:
 
     async def _start(self, app: web.Application) -> None:
         ssl = self._upstream_ssl
-        self._session = ClientSession(
-            timeout=self._timeout, connector=TCPConnector(ssl=ssl) if ssl is not None else None
-        )
+        self._session = ClientSession(timeout=self._timeout, connector=upstream_connector(ssl))
         if self.live is not None:
             for sub in self.events:
                 sub.start()
