@@ -22,9 +22,11 @@ from mooncake_connectors.bench.launch import (
     StoreMaster,
     VllmServer,
     http_ok,
+    runs_only_our_connectors,
 )
 from mooncake_connectors.bench.ports import holders
 from mooncake_connectors.bench.procs import start_master, stop_all
+from mooncake_connectors.cpu_amx import cpu_has_amx
 
 CHILD = (
     "import os, subprocess, sys; print('parent', sorted(os.sched_getaffinity(0)), flush=True); "
@@ -70,6 +72,43 @@ def test_vllm_server_pins_only_when_asked(tmp_path: Path) -> None:
     assert pinned.cpus() == {1}
     cmd = pinned.command()
     assert cmd[cmd.index("--dtype") + 1] == "float32"
+
+
+OURS_PD = {"kv_connector": "MooncakeConnectorsPD", "kv_role": "kv_consumer"}
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+def _multi(*subs: dict[str, object]) -> dict[str, object]:
+    return {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": subs}}
+
+
+def test_only_a_foreign_connectors_engine_gets_the_amx_request(tmp_path: Path) -> None:
+    store = {"kv_connector": "MooncakeConnectorsStore", "kv_role": "kv_both"}
+    assert runs_only_our_connectors(None) and runs_only_our_connectors(OURS_PD)
+    assert runs_only_our_connectors(_multi(OURS_PD, store))
+    assert not runs_only_our_connectors(NIXL)
+    assert not runs_only_our_connectors(_multi(OURS_PD, NIXL))
+    model = tmp_path / "model"
+    ours = VllmServer(tmp_path, model, core=0, kv_transfer_config=OURS_PD)
+    # ours must ask by itself (tests/test_cpu_amx.py): nothing on its path helps it
+    assert ours.environment().get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    theirs = VllmServer(tmp_path, model, core=0, kv_transfer_config=NIXL, sitecustomize="X = 1\n")
+    env = theirs.environment()
+    site = Path(env["PYTHONPATH"].split(os.pathsep)[0]) / "sitecustomize.py"
+    assert "ARCH_REQ_XCOMP_PERM" in site.read_text() and site.read_text().endswith("X = 1\n")
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX")
+def test_a_foreign_connectors_engine_may_use_amx_from_its_start(tmp_path: Path) -> None:
+    """What vLLM's CPU attention kernel needs before an engine's first short forward: the
+    engine's Python (here a plain one, with the launcher's environment) has AMX tile state
+    before it imports anything."""
+    env = VllmServer(tmp_path, tmp_path / "m", core=0, kv_transfer_config=NIXL).environment()
+    probe = "from mooncake_connectors.cpu_amx import amx_permitted; print(amx_permitted())"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["True"], out.stderr
 
 
 class _Http(Server):

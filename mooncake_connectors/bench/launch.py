@@ -39,6 +39,35 @@ ENGINE_START_TIMEOUT = float(os.environ.get("MOONCAKE_CONNECTORS_ENGINE_START_TI
 PORT_ATTEMPTS = 3  # starts of a server whose reserved port was taken before it bound it
 FRESH_PORT = "<fresh port>"  # a VllmServer env or kv extra-config value: reserved per start
 
+# Our connectors, which ask Linux for AMX tile state themselves (cpu_amx.py).
+OUR_CONNECTORS = frozenset({"MooncakeConnectorsPD", "MooncakeConnectorsStore"})
+# vLLM-CPU's attention kernel uses AMX on AMX hosts but leaves asking Linux for the tile state to
+# oneDNN's first large matmul: an engine whose first forward is a few tokens over KV it loaded
+# (a PD decode, a store hit) dies with SIGILL (worker exit -4). Our connectors ask when the KV
+# cache is registered; an engine running another connector (vLLM's NixlConnector,
+# MooncakeConnector, MooncakeStoreConnector, with the wheel or on our alias) gets this as its
+# ``sitecustomize``, so what is compared is the connector, not the crash.
+AMX_SITECUSTOMIZE = """\
+# Written by mooncake-connectors' bench launcher for an engine running a connector not ours.
+try:
+    import ctypes
+
+    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+except Exception:
+    pass
+"""
+
+
+def runs_only_our_connectors(kv: dict[str, Any] | None) -> bool:
+    """Whether ``--kv-transfer-config`` ``kv`` names only our connectors (MultiConnector: each
+    of its connectors); no config at all counts as ours (no connector, nothing loaded)."""
+    if kv is None:
+        return True
+    if kv.get("kv_connector") == "MultiConnector":
+        subs = (kv.get("kv_connector_extra_config") or {}).get("connectors") or []
+        return all(runs_only_our_connectors(sub) for sub in subs)
+    return kv.get("kv_connector") in OUR_CONNECTORS
+
 
 def http_ok(url: str) -> bool:
     """True when ``url`` answers 200 within half a second."""
@@ -196,9 +225,15 @@ class VllmServer(Server):
         env: dict[str, str] | None = None,
         pin_all: bool = False,
         dtype: str = "bfloat16",
+        sitecustomize: str = "",
     ) -> None:
         self.env = env or {}
         self.kv_transfer_config = kv_transfer_config
+        # Python run by the engine's processes at start (a patch a foreign connector needs on a
+        # CPU-only host); every foreign connector's engine also gets AMX_SITECUSTOMIZE.
+        if not runs_only_our_connectors(kv_transfer_config):
+            sitecustomize = AMX_SITECUSTOMIZE + sitecustomize
+        self.sitecustomize = sitecustomize
         extra = (kv_transfer_config or {}).get("kv_connector_extra_config") or {}
         fresh = [f"env:{k}" for k, v in self.env.items() if v == FRESH_PORT]
         fresh += [f"kv:{k}" for k, v in extra.items() if v == FRESH_PORT]
@@ -257,6 +292,11 @@ class VllmServer(Server):
         )
         env.update(self.env)
         env.update({k[4:]: str(n) for k, n in self.reserved.items() if k.startswith("env:")})
+        if self.sitecustomize:
+            patch = self.log_path.parent / f"{self.log_path.stem}-site"
+            patch.mkdir(parents=True, exist_ok=True)
+            (patch / "sitecustomize.py").write_text(self.sitecustomize)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(patch), env.get("PYTHONPATH")]))
         return env
 
     def metric(self, name: str, label: str = "", timeout: float = 60) -> float:

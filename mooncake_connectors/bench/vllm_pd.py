@@ -53,9 +53,10 @@ lay between the decode request's arrival and the scheduler seeing it, or between
 taking the loaded request and its first token (docs/vllm.md, "Where a request's time goes").
 
 vLLM's MooncakeConnector asks torch for an accelerator device index, which CPU torch refuses;
-its engines get a ``sitecustomize`` that answers 0 and, on a CPU with AMX, asks Linux for AMX tile
-state as our connectors do (otherwise its decode worker dies with SIGILL in vLLM's AMX attention
-kernel on a first forward of one token). Nothing else is changed.
+its engines get a ``sitecustomize`` that answers 0. On a CPU with AMX, the engines of every
+connector not ours (MooncakeConnector, NixlConnector) ask Linux for AMX tile state at start, as
+our connectors do themselves (otherwise a decode worker dies with SIGILL in vLLM's AMX attention
+kernel on a first forward of one token; ``launch.AMX_SITECUSTOMIZE``). Nothing else is changed.
 """
 
 from __future__ import annotations
@@ -85,20 +86,13 @@ from .procs import loadavg
 
 HITS = "vllm:external_prefix_cache_hits_total"
 
-_PATCH = """\
-# Written by mooncake-connectors bench vllm-pd for vLLM's MooncakeConnector on a CPU-only torch.
+# vLLM's MooncakeConnector on a CPU-only torch: its engines' sitecustomize (the launcher adds
+# the AMX request every foreign connector's engine gets).
+_ACCELERATOR_PATCH = """\
 try:
     import torch
 
     torch.accelerator.current_device_index = lambda: 0
-except Exception:
-    pass
-# On an AMX host, the AMX tile state our connectors ask for (adapters/vllm/cpu_amx.py): without
-# it a decode whose first forward is one token over transferred KV dies with SIGILL.
-try:
-    import ctypes
-
-    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
 except Exception:
     pass
 """
@@ -211,14 +205,12 @@ class _Theirs:
     name = "vLLM MooncakeConnector (mooncake-transfer-engine wheel, tcp)"
     pair = "theirs"
 
-    def __init__(self, work: Path, sequential_first: bool = False) -> None:
+    def __init__(self, sequential_first: bool = False) -> None:
         self.decode_leg_ms: float | None = None
         # --cold-sizes: the legs one after the other first, so the first decode leg of a size
         # is that size's first request through the pair, as ours is
         self.sequential_first = sequential_first
-        self.patch_dir = work / "mooncake-cpu-patch"
-        self.patch_dir.mkdir(parents=True, exist_ok=True)
-        (self.patch_dir / "sitecustomize.py").write_text(_PATCH)
+        self.sitecustomize = _ACCELERATOR_PATCH
 
     def kv(self, role: str) -> dict[str, Any]:
         return {
@@ -230,7 +222,6 @@ class _Theirs:
 
     def env(self, role: str) -> dict[str, str]:
         return {
-            "PYTHONPATH": str(self.patch_dir),
             "MC_TCP_BIND_ADDRESS": "127.0.0.1",
             # the prefill's bootstrap server binds it (requests name it: _params)
             "VLLM_MOONCAKE_BOOTSTRAP_PORT": FRESH_PORT,
@@ -385,9 +376,9 @@ def run_pd_benchmark(
         if importlib.util.find_spec("mooncake") is None:
             skipped = "mooncake-transfer-engine wheel not installed"
         else:
-            runners.append(_Theirs(work, sequential_first=cold_sizes))
+            runners.append(_Theirs(sequential_first=cold_sizes))
     if with_mooncake_on_ours:  # needs no wheel: the alias stands in for it
-        runners.append(_TheirsOnOurs(work, sequential_first=cold_sizes))
+        runners.append(_TheirsOnOurs(sequential_first=cold_sizes))
     if not runners:
         raise ValueError("no system to run: every one is switched off")
     skipped_nixl = None
@@ -556,6 +547,7 @@ def _start_pair(work: Path, model: Path, runner: Any, max_len: int, pin: bool) -
             args=args,
             env={**common, **runner.env(role)},
             pin_all=pin,
+            sitecustomize=getattr(runner, "sitecustomize", ""),
         )
         for core, role in ((0, "kv_producer"), (1, "kv_consumer"))
     ]
