@@ -78,7 +78,7 @@ static inline double mc_now(void)
 }
 
 /* Poll ``cq`` for up to ``n`` completions, spinning up to ``spin`` seconds while it is empty
- * (a completion is often microseconds away; the caller releases the interpreter lock). */
+ * (a completion is often microseconds away; a caller that spins releases the interpreter lock). */
 static int mc_poll(struct ibv_cq *cq, int n, struct ibv_wc *wc, double spin)
 {
 	int got = ibv_poll_cq(cq, n, wc);

@@ -128,8 +128,13 @@ cdef class Device:
             raise VerbsError(9, f"the CQ of {self.name} is closed")
         if n > self.nwc:
             n = self.nwc
-        with nogil:
-            got = mc_poll(self.cq, n, self.wcs, s)
+        # One poll is a few loads and stores: it keeps the GIL. Releasing it there would hand
+        # the GIL to another thread (the poller) at every empty poll of a caller that waits
+        # inline, and back. Only a spin, which may last microseconds, runs without it.
+        got = mc_poll(self.cq, n, self.wcs, 0.0)
+        if got == 0 and s > 0:
+            with nogil:
+                got = mc_poll(self.cq, n, self.wcs, s)
         if got < 0:
             _fail(-got, f"polling the CQ of {self.name}")
         return [(self.wcs[i].wr_id, self.wcs[i].status, self.wcs[i].qp_num) for i in range(got)]

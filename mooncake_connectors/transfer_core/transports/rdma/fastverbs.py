@@ -156,8 +156,9 @@ class FastNic(Nic):
             raise TransportBroken(f"post_send on {self.name} failed: {exc}") from None
 
     def poll(self, n: int, spin: bool = False) -> list[Completion]:
-        """As verbs.Nic.poll; ``spin`` (the poller thread): while the CQ is empty, poll it in C
-        without the GIL for up to MOONCAKE_CONNECTORS_SPIN_US before returning none."""
+        """As verbs.Nic.poll; ``spin`` (the poller thread): when one poll (with the GIL) finds
+        the CQ empty, poll it in C without the GIL for up to MOONCAKE_CONNECTORS_SPIN_US before
+        returning none."""
         ok = self.verbs.WC_SUCCESS
         try:
             wcs = self.dev.poll(n, self.spin if spin else 0.0)
