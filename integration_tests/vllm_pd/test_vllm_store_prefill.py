@@ -43,8 +43,8 @@ from mooncake_connectors.store import StoreClient
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CHUNK = str(BLOCK)  # one block per prefill step
-# A may decode this long after its prefill; the test stops reading it once B answered (at a
-# fixed 8000 tokens A was done before B's answer in a run where B's /metrics were slow)
+# A may decode this long after its prefill; the test stops reading it once B answered (unpinned,
+# B's API server starved beside A's streaming and answered only after A's 8000 tokens)
 LONG_DECODE = 8000
 LOADS = "vllm:mooncake_connectors_store_loads_total"
 FAILED_LOADS = "vllm:mooncake_connectors_store_failed_loads_total"
