@@ -4,6 +4,7 @@ between two sessions that copies each group's blocks for that group's layers onl
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -144,3 +145,111 @@ def test_a_single_group_prefill_is_refused_by_a_hybrid_decode() -> None:
     finally:
         prefill.shutdown()
         dec.shutdown()
+
+
+# -- several groups with different TP sizes (vLLM's CPU layout: heads outermost in a block) ------
+
+
+def tp_session(engine_id: str, tp: int, heads: int) -> TransferSession:
+    return TransferSession(
+        Settings(transfer_timeout=5),
+        engine_id,
+        block_size=BS,
+        tp_size=tp,
+        num_blocks=NUM_BLOCKS,
+        num_kv_heads=heads,
+        stats=Recorded(),
+        groups=GROUPS,
+        group_kinds=KINDS,
+    )
+
+
+def heads_kv(heads: int, seed: int | None) -> dict[str, Any]:
+    """One rank's KV: ``heads`` KV heads of 64 per block; zeros when ``seed`` is None."""
+    shape = (NUM_BLOCKS, heads, BS, 2 * 64)
+    gen = torch.Generator().manual_seed(seed or 0)
+    return {
+        n: torch.randn(shape, generator=gen).to(torch.bfloat16)
+        if seed is not None
+        else torch.zeros(shape, dtype=torch.bfloat16)
+        for n in LAYERS
+    }
+
+
+SWA_P, FULL_P = [0, 0, 0, 0, 4, 5, 6], list(range(10, 17))  # the prefill's blocks
+SWA_D, FULL_D = [0, 0, 0, 0, 44, 45, 46], list(range(50, 57))  # the decode's
+
+
+def pull_groups(decoders: list[TransferSession], prefills: list[TransferSession]) -> None:
+    channels = tuple(p.side_channel for p in prefills)
+    assert all(channels)
+    remote = PullParams(
+        "eng-p",
+        "p-1",
+        100,
+        prompt_hash(PROMPT),
+        channels,  # type: ignore[arg-type]
+        len(prefills),
+        1e12,
+        group_block_ids=(tuple(SWA_P), tuple(FULL_P)),
+    )
+    for dec in decoders:
+        spec = recv_spec_groups("d-1", remote, 100, 100, [SWA_D, FULL_D], BS)
+        dec.start_load_kv(StepPlan(recv=[spec]))
+        wait_until(lambda d=dec: "d-1" in d._recv_done, 20, "the load to finish")
+        assert dec.take_load_errors() == set()
+
+
+def check_groups(dst: dict[str, Any], src_heads: Any) -> None:
+    """``dst``'s blocks of each group hold ``src_heads(layer, prefill block)`` (its heads), and
+    nothing else of ``dst`` was written."""
+    swa, full = (dst[n] for n in LAYERS)
+    for lb, rb in zip(SWA_D[4:], SWA_P[4:], strict=True):
+        assert torch.equal(swa[lb], src_heads(LAYERS[0], rb))
+    for lb, rb in zip(FULL_D, FULL_P, strict=True):
+        assert torch.equal(full[lb], src_heads(LAYERS[1], rb))
+    assert not swa[50:57].any() and not full[44:47].any() and not swa[0].any()
+
+
+def test_groups_with_prefill_tp_2_and_decode_tp_1_gather_each_groups_heads() -> None:
+    prefills = [tp_session("eng-p", 2, 1) for _ in range(2)]
+    dec = tp_session("eng-d", 1, 2)
+    src = [heads_kv(1, 10 + r) for r in range(2)]
+    dst = heads_kv(2, None)
+    try:
+        for rank, (p, kv) in enumerate(zip(prefills, src, strict=True)):
+            p.register(kv, rank)
+        dec.register(dst, 0)
+        assert dec.layout is not None and all(p.layout is not None for p in prefills)
+        for p in prefills:
+            check_compatible(dec.layout, p.layout)  # type: ignore[arg-type]
+            p.start_load_kv(StepPlan(send={"p-1": 30.0}))  # held for the decode
+        pull_groups([dec], prefills)
+        check_groups(dst, lambda n, b: torch.cat([src[0][n][b], src[1][n][b]]))
+        for p in prefills:  # each prefill rank was told Done by the one decode rank
+            wait_until(lambda p=p: p.get_finished()[0] == {"p-1"}, 10, "the blocks to be freed")
+    finally:
+        for s in (*prefills, dec):
+            s.shutdown()
+
+
+def test_groups_with_prefill_tp_1_and_decode_tp_2_read_each_ranks_heads() -> None:
+    prefill = tp_session("eng-p", 1, 2)
+    decoders = [tp_session("eng-d", 2, 1) for _ in range(2)]
+    src = heads_kv(2, 30)
+    dst = [heads_kv(1, None) for _ in range(2)]
+    try:
+        prefill.register(src, 0)
+        for rank, (d, kv) in enumerate(zip(decoders, dst, strict=True)):
+            d.register(kv, rank)
+        prefill.start_load_kv(StepPlan(send={"p-1": 30.0}))  # held for the decode
+        pull_groups(decoders[:1], [prefill])
+        time.sleep(0.5)  # the first rank's Done arrives; the second rank still reads
+        assert prefill.get_finished() == (None, None)
+        pull_groups(decoders[1:], [prefill])
+        wait_until(lambda: prefill.get_finished()[0] == {"p-1"}, 10, "the blocks to be freed")
+        for rank in range(2):
+            check_groups(dst[rank], lambda n, b, r=rank: src[n][b][r : r + 1])
+    finally:
+        for s in (prefill, *decoders):
+            s.shutdown()
