@@ -37,6 +37,8 @@ def test_unknown_key_names_itself_and_the_allowed_ones() -> None:
         ({"side_channel_port": 1.5}, "must be an integer"),
         ({"side_channel_port": 70000}, "0..65535"),
         ({"kv_lease": 5, "transfer_timeout": 10}, "must exceed"),
+        ({"sync_load_max_bytes": -1}, "must be >= 0"),
+        ({"sync_load_max_bytes": 1.5}, "must be an integer"),
         ({"transports": 3}, "list of names"),
         ({"tcp_lanes": 0}, "tcp_lanes"),
         ({"host": ""}, "not an address"),

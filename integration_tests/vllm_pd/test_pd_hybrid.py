@@ -6,6 +6,8 @@ groups on both engines, because the connector declares ``SupportsHMA``. A prefil
 (core 0) and a decode engine (core 1) behind our proxy, over TCP: prompts longer than the window
 give the tokens the prefill engine gives as a single engine, and the decode engine takes every
 prompt token from the prefill (each group's blocks, the sliding-window groups' last ones only).
+The decode loads asynchronously (``sync_load_max_bytes: 0``), which keeps that path run on real
+engines; the other PD tests read their small hand-overs in the scheduling step (the default).
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> Iterator[Pa
         log_dir, model, core=0, kv_transfer_config=kv_config("kv_producer"), args=args
     )
     decode = VllmServer(
-        log_dir, model, core=1, kv_transfer_config=kv_config("kv_consumer"), args=args
+        log_dir,
+        model,
+        core=1,
+        kv_transfer_config=kv_config("kv_consumer", sync_load_max_bytes=0),
+        args=args,
     )
     proxy = ProxyServer(log_dir, [prefill], [decode])
     servers = (prefill, decode, proxy)

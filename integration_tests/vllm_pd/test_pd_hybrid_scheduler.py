@@ -15,7 +15,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from test_pd_scheduler import BS, NUM_BLOCKS, PROMPT, free_blocks, make_scheduler, meta, step
+from test_pd_scheduler import (
+    ASYNC,
+    BS,
+    NUM_BLOCKS,
+    PROMPT,
+    free_blocks,
+    make_scheduler,
+    meta,
+    step,
+)
 from test_pd_scheduler import request as make_request
 from test_vllm_store_hybrid_scheduler import ATTN, FULL, HYBRID, SWA, WINDOW, allocated
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -47,8 +56,10 @@ def registered() -> None:
 
 
 def hybrid_scheduler(
-    model: Path, role: str, kcc: KVCacheConfig = HYBRID, batch: int = 2048
+    model: Path, role: str, kcc: KVCacheConfig = HYBRID, batch: int = 2048, inline: bool = False
 ) -> Scheduler:
+    """``inline``: the decode reads small hand-overs in the scheduling step (the default);
+    these tests otherwise follow an asynchronous load step by step."""
     vc = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="bfloat16", max_model_len=2048, seed=0),
         cache_config=CacheConfig(block_size=BS),
@@ -64,7 +75,7 @@ def hybrid_scheduler(
             kv_connector="MooncakeConnectorsPD",
             kv_role=role,
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"kv_lease": 60},
+            kv_connector_extra_config={"kv_lease": 60} | ({} if inline else ASYNC),
         ),
     )
     vc.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -134,6 +145,21 @@ def test_decode_allocates_nulls_exactly_where_the_prefill_freed_and_reads_the_re
     out, _ = step(s, kv=KVConnectorOutput(finished_recving={"d-1"}))
     out, _ = step(s, {"d-1": 7})
     assert out.num_scheduled_tokens == {"d-1": 1}
+
+
+def test_an_inline_load_reads_every_groups_blocks_in_the_scheduling_step(tiny_model: Path) -> None:
+    params, _ = prefill_params(tiny_model)
+    s = hybrid_scheduler(tiny_model, "kv_consumer", inline=True)
+    r = make_request("d-5", PROMPT, 3, params)
+    s.add_request(r)
+    out, _ = step(s, {"d-5": 7})
+    assert out.num_scheduled_tokens == {"d-5": 1} and r.num_computed_tokens == 100
+    (spec,) = meta(out).recv
+    assert spec.sync and spec.error is None and spec.groups is not None
+    mine, theirs = allocated(s, "d-5"), params["remote_group_block_ids"]
+    assert [b == 0 for b in mine[SWA][:7]] == [b == 0 for b in theirs[SWA]]
+    assert spec.groups[SWA] == ([b for b in mine[SWA][:7] if b], [b for b in theirs[SWA] if b])
+    assert spec.groups[FULL] == (mine[FULL][:7], theirs[FULL])
 
 
 def test_a_block_the_prefill_freed_but_the_decode_needs_is_recomputed(tiny_model: Path) -> None:

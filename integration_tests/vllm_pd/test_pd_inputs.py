@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from test_pd_scheduler import HASHER, PROMPT, make_scheduler, remote_params, step
+from test_pd_scheduler import ASYNC, HASHER, PROMPT, make_scheduler, remote_params, step
 from test_vllm_store_keys import ADAPTER_X, image
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ def test_a_salted_prefill_s_kv_is_loaded_only_under_the_same_salt(tiny_model: Pa
     _, finished = step(prefill, {"p-1": 5})
     params = finished["p-1"]
     assert params["remote_prompt_hash"] != prompt_hash(PROMPT)  # the salt is in it
-    decode = make_scheduler(tiny_model, "kv_consumer")
+    decode = make_scheduler(tiny_model, "kv_consumer", ASYNC)
     for rid, salt in (("d-b", "tenant-b"), ("d-0", None)):
         decode.add_request(salted(rid, salt, dict(params)))
         out, _ = step(decode, {rid: 1})
@@ -81,7 +81,7 @@ def built(lora: LoRARequest | None = None, images: tuple[int, ...] = ()) -> Requ
 def test_kv_of_another_adapter_or_image_is_not_loaded(
     tiny_model: Path, prefill: Request, other: Request
 ) -> None:
-    s = make_scheduler(tiny_model, "kv_consumer")
+    s = make_scheduler(tiny_model, "kv_consumer", ASYNC)
     identity = identity_digest(key_inputs(prefill, 16), len(PROMPT))
     assert identity  # vLLM's request carries what the KV depends on
     params = remote_params(PROMPT, remote_prompt_hash=prompt_hash(PROMPT, identity))

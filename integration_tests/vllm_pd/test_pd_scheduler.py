@@ -44,6 +44,8 @@ BS = 16
 NUM_BLOCKS = 64
 init_none_hash(sha256_cbor)
 HASHER = get_request_block_hasher(BS, sha256_cbor)
+BLOCK_BYTES = 2 * 2 * BS * 2 * 64 * 2  # 2 layers, K and V, 2 heads of 64, bf16: 16 KiB
+ASYNC = {"sync_load_max_bytes": 0}  # every load asynchronous, whatever its size
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -202,7 +204,7 @@ def test_prefill_without_decode_flag_or_aborted_hands_nothing_over(tiny_model: P
 
 
 def test_decode_loads_prompt_then_computes_only_the_last_token(tiny_model: Path) -> None:
-    s = make_scheduler(tiny_model, "kv_consumer")
+    s = make_scheduler(tiny_model, "kv_consumer", ASYNC)
     r = request("d-1", PROMPT, 3, remote_params(PROMPT))
     s.add_request(r)
     out, _ = step(s)
@@ -220,7 +222,7 @@ def test_decode_loads_prompt_then_computes_only_the_last_token(tiny_model: Path)
 
 
 def test_decode_load_errors_recompute_from_the_first_bad_block(tiny_model: Path) -> None:
-    s = make_scheduler(tiny_model, "kv_consumer")
+    s = make_scheduler(tiny_model, "kv_consumer", ASYNC)
     r = request("d-2", PROMPT, 3, remote_params(PROMPT))
     s.add_request(r)
     out, _ = step(s)
@@ -251,7 +253,7 @@ def test_decode_aborted_before_scheduling_releases_the_prefill(tiny_model: Path)
 
 
 def test_decode_with_a_local_prefix_hit_loads_only_the_rest(tiny_model: Path) -> None:
-    s = make_scheduler(tiny_model, "kv_consumer")
+    s = make_scheduler(tiny_model, "kv_consumer", ASYNC)
     s.add_request(request("warm", PROMPT[:64], 1))
     step(s, {"warm": 3})  # 4 full blocks now in the local prefix cache
     r = request("d-5", PROMPT, 2, remote_params(PROMPT))
@@ -264,6 +266,56 @@ def test_decode_with_a_local_prefix_hit_loads_only_the_rest(tiny_model: Path) ->
     step(s, kv=KVConnectorOutput(finished_recving={"d-5"}))
     out, _ = step(s, {"d-5": 9})
     assert out.num_scheduled_tokens == {"d-5": 1}
+
+
+def test_decode_small_handover_is_loaded_in_the_step_that_schedules_it(tiny_model: Path) -> None:
+    s = make_scheduler(tiny_model, "kv_consumer")  # default: up to 16 MiB inline
+    r = request("d-6", PROMPT, 3, remote_params(PROMPT))
+    s.add_request(r)
+    out, _ = step(s, {"d-6": 9})
+    assert out.num_scheduled_tokens == {"d-6": 1}  # no step waiting for the KV: the last token
+    (spec,) = meta(out).recv
+    (allocated,) = s.kv_cache_manager.get_block_ids("d-6")
+    assert spec.sync and spec.local_block_ids == allocated[:7]
+    assert spec.remote_block_ids == list(range(20, 27))
+    assert r.num_computed_tokens == 100 and r.num_output_tokens == 1
+    out, _ = step(s, {"d-6": 10})
+    assert out.num_scheduled_tokens == {"d-6": 1} and r.num_output_tokens == 2
+
+
+def test_decode_inline_load_errors_recompute_from_the_first_bad_block(tiny_model: Path) -> None:
+    s = make_scheduler(tiny_model, "kv_consumer")
+    r = request("d-7", PROMPT, 3, remote_params(PROMPT))
+    s.add_request(r)
+    out = s.schedule()
+    (spec,) = meta(out).recv
+    assert spec.sync
+    bad = spec.local_block_ids[2]
+    # the worker's step: the load failed for one block, so the step's token is not kept
+    mro = ModelRunnerOutput(
+        req_ids=["d-7"],
+        req_id_to_index={"d-7": 0},
+        sampled_token_ids=[[9]],
+        kv_connector_output=KVConnectorOutput(invalid_block_ids={bad}),
+    )
+    s.update_from_output(out, mro)
+    assert r.num_output_tokens == 0
+    out, _ = step(s, {"d-7": 9})
+    assert out.num_scheduled_tokens == {"d-7": 100 - 2 * BS}  # blocks 0-1 kept, rest recomputed
+
+
+def test_decode_handover_over_the_inline_limit_loads_asynchronously(tiny_model: Path) -> None:
+    s = make_scheduler(tiny_model, "kv_consumer", {"sync_load_max_bytes": 7 * BLOCK_BYTES - 1})
+    r = request("d-8", PROMPT, 3, remote_params(PROMPT))  # 7 blocks to read
+    s.add_request(r)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {} and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (spec,) = meta(out).recv
+    assert not spec.sync
+    s2 = make_scheduler(tiny_model, "kv_consumer", {"sync_load_max_bytes": 7 * BLOCK_BYTES})
+    s2.add_request(request("d-9", PROMPT, 3, remote_params(PROMPT)))
+    out, _ = step(s2, {"d-9": 9})
+    assert out.num_scheduled_tokens == {"d-9": 1} and meta(out).recv[0].sync
 
 
 # -- the worker glue (the session itself is tested engine-free in tests/pd) --------------------

@@ -43,6 +43,9 @@ class RecvSpec:
     # Several KV cache groups: per group, (local, remote) block ids to copy for that group's
     # layers only (null blocks left out); ``local_block_ids`` then lists every group's.
     groups: list[tuple[list[int], list[int]]] | None = None
+    # Read inside the step that schedules the request: the worker waits for it before the
+    # forward and does not report it as received (vLLM never parked the request for it).
+    sync: bool = False
 
 
 @dataclasses.dataclass

@@ -224,12 +224,33 @@ class TransferSession(LayerPush):
                     early = self._early.pop(rid, None)
                     if early is not None:
                         self._done.setdefault(rid, early)
+        inline = []
         for spec in meta.recv:
             log.debug("timeline %s load_queued", spec.request_id)
-            self._pool.submit(self._load, spec)
+            future = self._pool.submit(self._load, spec)
+            if spec.sync:
+                inline.append((spec, future))
+        if inline:
+            self._wait_inline(inline)
         self.begin_step(meta)
         for pspec in meta.push_recv:
             self._expect_push(pspec)
+
+    def _wait_inline(self, loads: list[tuple[RecvSpec, concurrent.futures.Future[None]]]) -> None:
+        """The loads vLLM scheduled in this very step: the forward must not start before
+        their KV is in place. Each ends by its own deadlines (layout exchange, then the read);
+        one still running past both has its blocks reported failed (recomputed)."""
+        limit = self.config.handshake_timeout + self.config.transfer_timeout + 5.0
+        _, late = concurrent.futures.wait([f for _, f in loads], timeout=limit)
+        for spec, future in loads:
+            if future in late:
+                log.error(
+                    "request %s: KV load still running after %.0f s; its blocks are recomputed",
+                    spec.request_id,
+                    limit,
+                )
+                with self._lock:
+                    self._load_errors.update(spec.local_block_ids)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         now = time.monotonic()
@@ -394,7 +415,8 @@ class TransferSession(LayerPush):
                     self.stats.record_load(time.perf_counter() - t0, nbytes, nreqs)
                 with self._lock:
                     self._load_errors.update(failed)
-                    self._recv_done.add(spec.request_id)
+                    if not spec.sync:  # vLLM parked the request until this is reported
+                        self._recv_done.add(spec.request_id)
             if self._unprepared:
                 self._prepare_paths()
 

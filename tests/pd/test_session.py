@@ -8,6 +8,7 @@ plain integers, as an engine adapter gives them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,6 +163,49 @@ def test_a_refused_load_is_reported_without_reading() -> None:
         assert w.take_load_errors() == {3, 4} and stats.failed_loads == 2
     finally:
         w.shutdown()
+
+
+def test_a_sync_load_is_in_place_when_start_load_kv_returns_and_is_never_reported() -> None:
+    prefill, _ = session("prefill-engine")
+    dec, stats = session("eng-d")
+    src, dst = _kv(True), _kv(False)
+    try:
+        prefill.register(src, 0)
+        dec.register(dst, 0)
+        assert prefill.side_channel is not None
+        prefill.start_load_kv(StepPlan(send={"p-1": 30.0}))
+        remote = pull_params(prefill.side_channel)
+        local = list(range(3, 10))
+        spec = RecvSpec("d-1", local, list(remote.block_ids), remote, sync=True)
+        dec.start_load_kv(StepPlan(recv=[spec]))
+        # no waiting: the step's forward runs right after start_load_kv
+        for name in src:
+            assert torch.equal(dst[name][3:10], src[name][20:27])
+        assert dec.take_load_errors() == set() and len(stats.loads) == 1
+        time.sleep(0.2)
+        assert dec.get_finished() == (None, None)  # vLLM never parked the request for it
+        wait_until(lambda: prefill.get_finished()[0] == {"p-1"}, 10, "the prefill to be told")
+    finally:
+        prefill.shutdown()
+        dec.shutdown()
+
+
+def test_a_sync_load_from_a_silent_prefill_fails_its_blocks_within_its_deadlines() -> None:
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # a side channel that never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    w, _ = session(handshake_timeout=0.5, transfer_timeout=2)
+    try:
+        remote = pull_params(f"tcp://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        w.start_load_kv(StepPlan(recv=[RecvSpec("d-9", [4, 5, 6], [1, 2, 3], remote, sync=True)]))
+        assert time.monotonic() - t0 < 0.5 + 2 + 5
+        assert w.take_load_errors() == {4, 5, 6}  # known before the forward: recomputed
+        assert w.get_finished() == (None, None)
+    finally:
+        w.shutdown()
+        mute.close()
 
 
 # -- layer-wise push: two sessions, real KV tensors, side channels and transfer engine ---------

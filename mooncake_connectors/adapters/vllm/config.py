@@ -50,6 +50,12 @@ PD_KEYS: dict[str, Key] = {
     "metrics_port": Key(
         Kind.INT, "serve the transfer engine's Prometheus metrics on this port (default off)", True
     ),
+    "sync_load_max_bytes": Key(
+        Kind.INT,
+        "decode: a hand-over of at most this many KV bytes per worker is read inside the step "
+        "that schedules the request, larger ones asynchronously (default 16 MiB; 0: always "
+        "asynchronously)",
+    ),
     "accept_push": Key(
         Kind.BOOL,
         "decode: let prefill instances write KV into this instance's blocks layer by layer "
@@ -73,6 +79,7 @@ class PDConfig(Credentials):
     handshake_timeout: float = 5.0
     kv_lease: float = 120.0
     metrics_port: int | None = None
+    sync_load_max_bytes: int = 16 << 20
     accept_push: bool = False
 
     def __post_init__(self) -> None:
@@ -83,6 +90,8 @@ class PDConfig(Credentials):
                 f"kv_connector_extra_config['side_channel_port'] must be in 0..65535, "
                 f"got {self.side_channel_port}"
             )
+        if self.sync_load_max_bytes < 0:
+            raise ConfigError("kv_connector_extra_config['sync_load_max_bytes'] must be >= 0")
         for key in ("transfer_timeout", "handshake_timeout", "kv_lease"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0")

@@ -86,6 +86,19 @@ def kv_groups(
     return names, [f"sliding:{w}" if w else "full" for w in windows]
 
 
+def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
+    """KV bytes one block of every layer holds on one worker (0: unknown)."""
+    if kv_cache_config is None:
+        return 0
+    try:
+        return sum(
+            int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+            for g in kv_cache_config.kv_cache_groups
+        )
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
 class PDScheduler:
     def __init__(
         self,
@@ -104,6 +117,8 @@ class PDScheduler:
         self._recv: list[RecvSpec] = []
         self._send: dict[str, float] = {}
         self._matched: dict[str, int] = {}  # request id -> loadable tokens (memo)
+        self._block_bytes = block_bytes(kv_cache_config)
+        self._sync: set[str] = set()  # offered as a hit loaded inside the scheduling step
         self._push_recv: list[PushRecvSpec] = []
         self._pushing = PushProgress(self.block_size)  # prefill side
 
@@ -134,7 +149,31 @@ class PDScheduler:
             self._matched[rid] = n
             log.debug("timeline %s scheduler_sees %d", rid, n)
         count = n - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        if not pdp.is_push(params) and self._loads_inline(count):
+            # vLLM computes at least one token in the step that schedules the request: the
+            # last prompt token's KV is computed here, not read (its block still is).
+            last = request.num_prompt_tokens - 1
+            if n > last:
+                n = self._matched[rid] = last
+                count = n - num_computed_tokens
+            if count > 0:
+                self._sync.add(rid)
+                return count, False
+            self._sync.discard(rid)
+            return 0, False
+        self._sync.discard(rid)
+        return count, True
+
+    def _loads_inline(self, tokens: int) -> bool:
+        """Small hand-overs are read inside the step that schedules the request: an
+        asynchronous load costs two engine steps more (one reports it done, the next schedules
+        the request), a small read less than that, though it holds up the step's other
+        requests for as long as it takes."""
+        blocks = -(-tokens // self.block_size)
+        size = blocks * self._block_bytes
+        return 0 < size <= self.config.sync_load_max_bytes
 
     def _loadable(self, request: Request) -> int:
         remote = _decode(request.kv_transfer_params, PullParams, request.request_id, warn=False)
@@ -222,7 +261,9 @@ class PDScheduler:
             else:
                 block_ids = _block_ids(blocks, num_external_tokens)
                 spec = recv_spec(rid, remote, n, num_external_tokens, block_ids, self.block_size)
+            spec.sync = rid in self._sync and num_external_tokens > 0
             self._recv.append(spec)
+        self._sync.discard(rid)
 
     # -- prefill side of a push --------------------------------------------------------------
     def _start_push(self, request: Request) -> None:
@@ -293,6 +334,7 @@ class PDScheduler:
         params = request.kv_transfer_params
         rid = request.request_id
         self._matched.pop(rid, None)
+        self._sync.discard(rid)
         self._pushing.end(rid)
         if not params:
             return False, None
