@@ -85,6 +85,8 @@ class TransferSession(LayerPush):
         self._server: SideChannelServer | None = None
         self._curve: CurveIdentity | None = None  # with mutual TLS: the side channel's keys
         self._pool = concurrent.futures.ThreadPoolExecutor(_LOADERS, "mc-pd-load")
+        # loads read inside the scheduling step: never queued behind large asynchronous ones
+        self._inline_pool = concurrent.futures.ThreadPoolExecutor(_LOADERS, "mc-pd-inline")
         self._tls = threading.local()
         self._clients: list[SideChannelClient] = []
         self._lock = threading.Lock()
@@ -227,7 +229,8 @@ class TransferSession(LayerPush):
         inline = []
         for spec in meta.recv:
             log.debug("timeline %s load_queued", spec.request_id)
-            future = self._pool.submit(self._load, spec)
+            pool = self._inline_pool if spec.sync else self._pool
+            future = pool.submit(self._load, spec)
             if spec.sync:
                 inline.append((spec, future))
         if inline:
@@ -427,6 +430,7 @@ class TransferSession(LayerPush):
         if self.engine is not None:
             self.engine.close()  # loads still in flight fail now instead of at their deadline
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._inline_pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             clients, self._clients = self._clients, []
         for c in clients:  # after the pool: each client belongs to one of its threads

@@ -190,6 +190,33 @@ def test_a_sync_load_is_in_place_when_start_load_kv_returns_and_is_never_reporte
         dec.shutdown()
 
 
+def test_a_sync_load_does_not_wait_behind_asynchronous_ones() -> None:
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # asynchronous loads from it wait out their handshake
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    prefill, _ = session("prefill-engine")
+    dec, _ = session("eng-d", handshake_timeout=3, transfer_timeout=5)
+    src, dst = _kv(True), _kv(False)
+    try:
+        prefill.register(src, 0)
+        dec.register(dst, 0)
+        assert prefill.side_channel is not None
+        silent = pull_params(f"tcp://127.0.0.1:{port}")
+        stuck = [RecvSpec(f"a-{i}", [40 + i], [1], silent) for i in range(8)]
+        dec.start_load_kv(StepPlan(recv=stuck))  # every loader thread busy for 3 s
+        remote = pull_params(prefill.side_channel)
+        spec = RecvSpec("d-1", list(range(3, 10)), list(remote.block_ids), remote, sync=True)
+        t0 = time.monotonic()
+        dec.start_load_kv(StepPlan(recv=[spec]))
+        assert time.monotonic() - t0 < 2.0
+        assert torch.equal(dst[next(iter(src))][3:10], src[next(iter(src))][20:27])
+    finally:
+        prefill.shutdown()
+        dec.shutdown()
+        mute.close()
+
+
 def test_a_sync_load_from_a_silent_prefill_fails_its_blocks_within_its_deadlines() -> None:
     ctx = zmq.Context.instance()
     mute = ctx.socket(zmq.ROUTER)  # a side channel that never answers
