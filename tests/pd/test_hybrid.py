@@ -4,7 +4,6 @@ between two sessions that copies each group's blocks for that group's layers onl
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -244,7 +243,8 @@ def test_groups_with_prefill_tp_1_and_decode_tp_2_read_each_ranks_heads() -> Non
             d.register(kv, rank)
         prefill.start_load_kv(StepPlan(send={"p-1": 30.0}))  # held for the decode
         pull_groups(decoders[:1], [prefill])
-        time.sleep(0.5)  # the first rank's Done arrives; the second rank still reads
+        # the first rank's Done has arrived; the second rank has not read yet
+        wait_until(lambda: 0 in prefill._done.get("p-1", (0, 0, set()))[2], 10, "rank 0's Done")
         assert prefill.get_finished() == (None, None)
         pull_groups(decoders[1:], [prefill])
         wait_until(lambda: prefill.get_finished()[0] == {"p-1"}, 10, "the blocks to be freed")
