@@ -88,6 +88,9 @@ def main() -> None:
                 got = engine.allocate_buffer(msg["length"])
                 engine.read(msg["target"], got.addr, msg["addr"], msg["length"])
                 reply = {"sha": hashlib.sha256(bytes(got.array)).hexdigest()}
+            elif cmd == "fill":  # overwrite local bytes with another seed's pattern
+                view(msg["addr"], msg["length"])[:] = pattern(msg["seed"], msg["length"]).tobytes()
+                reply = {}
             elif cmd == "digest":
                 data = bytes(view(msg["addr"], msg["length"])) if msg["length"] else b""
                 reply = {"sha": hashlib.sha256(data).hexdigest()}

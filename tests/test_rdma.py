@@ -298,3 +298,32 @@ def test_rdma_beside_tcp_on_a_fixed_port(peer: tuple[Peer, str, int]) -> None:
         desc = e.peer(e.segment_name)
         assert desc.endpoints["tcp"].endswith(f":{port}")
         assert not desc.endpoints["rdma"].endswith(f":{port}")  # its own listener
+
+
+class _ConnectRequestBefore(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The connect request as versions before direct QPs decode it."""
+
+    segment: str
+    nic: str
+    peer_nic: str
+    qpn: int
+    psn: int
+    gid: str
+    lid: int
+    mtu: int = 0
+
+
+def test_a_rails_connect_request_is_what_older_versions_decode() -> None:
+    """A rail's connect request carries no ``direct`` field, so a peer of an earlier version
+    connects it as before; a direct QP's request is refused there (an unknown field), which
+    leaves that peer's direct QPs off and its rails working."""
+    from mooncake_connectors.transfer_core.transports.rdma import control
+
+    args = ("a", "mlx5_0", "mlx5_1", 7, 9, "fe80::1", 0, 5)
+    enc = msgspec.msgpack.Encoder()
+    rail = enc.encode(control.ConnectRequest(*args))
+    assert msgspec.msgpack.decode(rail, type=_ConnectRequestBefore) == _ConnectRequestBefore(*args)
+    direct = enc.encode(control.ConnectRequest(*args, direct=True))
+    with pytest.raises(msgspec.ValidationError, match="direct"):
+        msgspec.msgpack.decode(direct, type=_ConnectRequestBefore)
+    assert control.decode_request(direct).direct and not control.decode_request(rail).direct

@@ -186,8 +186,8 @@ class Transport(abc.ABC):
     # waits for the fence on the host before handing them the slice.
     orders_after: ClassVar[bool] = False
 
-    # True when ``run_inline`` is implemented
-    runs_inline: ClassVar[bool] = False
+    # True when ``run_inline`` is implemented (a class attribute, or set on the instance at start)
+    runs_inline: bool = False
 
     def run_inline(self, peer: SegmentDesc, s: Slice) -> MooncakeConnectorsError | None:
         """Move one host-memory slice from the calling thread, which waits for it, and return
@@ -195,8 +195,8 @@ class Transport(abc.ABC):
         ``s.deadline``. Optional: the engine calls it only when ``runs_inline`` is set."""
         raise NotImplementedError
 
-    # True when ``run_one`` is implemented
-    runs_one: ClassVar[bool] = False
+    # True when ``run_one`` is implemented (a class attribute, or set on the instance at start)
+    runs_one: bool = False
 
     def run_one(
         self,

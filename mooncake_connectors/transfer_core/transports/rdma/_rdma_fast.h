@@ -92,6 +92,58 @@ static int mc_poll(struct ibv_cq *cq, int n, struct ibv_wc *wc, double spin)
 	}
 }
 
+/* Wait for the one completion each chain posted on cqs[i] (a QP with a CQ of its own, whose
+ * chain asks for a completion on its last WR only: RC completes in order, so it vouches for the
+ * chain) for every i with done[i] == 0. ``once``: one pass over the CQs, then return (*pending:
+ * chains not yet complete). Else until all are complete or ``deadline`` (CLOCK_MONOTONIC
+ * seconds), spinning ``spin`` seconds and then polling every 20 us. 0 when all completed; a
+ * completion's status (> 0) or -errno (poll failure, -ETIMEDOUT), with *which the chain. */
+static int mc_wait(struct ibv_cq **cqs, uint8_t *done, int n, double deadline, double spin, int once,
+		   int *pending, int *which)
+{
+	struct ibv_wc wc[4];
+	double spin_end = -1;
+	for (;;) {
+		int left = 0;
+		for (int i = 0; i < n; i++) {
+			if (done[i])
+				continue;
+			int got = ibv_poll_cq(cqs[i], 4, wc);
+			if (got < 0) {
+				*which = i;
+				return got;
+			}
+			for (int k = 0; k < got; k++)
+				if (wc[k].status != IBV_WC_SUCCESS) {
+					*which = i;
+					return (int)wc[k].status;
+				}
+			if (got > 0)
+				done[i] = 1;
+			else
+				left++;
+		}
+		*pending = left;
+		if (!left || once)
+			return 0;
+		double now = mc_now();
+		if (now >= deadline) {
+			for (int i = 0; i < n; i++)
+				if (!done[i]) {
+					*which = i;
+					break;
+				}
+			return -ETIMEDOUT;
+		}
+		if (spin_end < 0)
+			spin_end = now + spin;
+		if (now >= spin_end) {
+			struct timespec ts = {0, 20000};
+			nanosleep(&ts, NULL);
+		}
+	}
+}
+
 static int mc_to_init(struct ibv_qp *qp, int port, int access)
 {
 	struct ibv_qp_attr a;

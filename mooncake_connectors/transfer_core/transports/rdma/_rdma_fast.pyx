@@ -6,6 +6,8 @@ A Device is this module's own context on one RDMA device, with its PD and CQ; th
 the compiled path uses are made on it, so every handle ibv_post_send and ibv_poll_cq see was
 made here. post_runs chains the WRs of a batch of runs in C and posts them with one doorbell;
 poll polls the CQ in C without the interpreter lock, spinning a bounded time while it is empty.
+run_wait is a whole request of a caller that waits for it: a chain on each of a few QPs that
+have CQs of their own, posted and waited for in one call.
 """
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
@@ -61,6 +63,8 @@ cdef extern from "_rdma_fast.h" nogil:
     int mc_post_runs(ibv_qp *qp, int write, const mc_run *runs, int n, ibv_send_wr *wrs,
                      ibv_sge *sges, int *bad_run)
     int mc_poll(ibv_cq *cq, int n, ibv_wc *wc, double spin)
+    int mc_wait(ibv_cq **cqs, uint8_t *done, int n, double deadline, double spin, int once,
+                int *pending, int *which)
 
 
 class VerbsError(OSError):
@@ -113,11 +117,26 @@ cdef class Device:
             _fail(errno or 22, f"registering a dma-buf of {length} bytes on {self.name}")
         return Mr.wrap(self, mr)
 
-    def create_qp(self, int max_wr):
-        cdef ibv_qp *qp = mc_create_qp(self.pd, self.cq, max_wr, 1)
+    def create_qp(self, int max_wr, bint own_cq=False):
+        """An RC QP on this device's CQ, or (``own_cq``) on a CQ of its own for run_wait."""
+        cdef ibv_cq *own = NULL
+        cdef ibv_qp *qp
+        if self.ctx == NULL:
+            raise VerbsError(9, f"{self.name} is closed")
+        if own_cq:
+            # an error flushes every WR posted: room for a CQE each
+            own = ibv_create_cq(self.ctx, max_wr + 1, NULL, NULL, 0)
+            if own == NULL:
+                _fail(errno or 22, f"creating a CQ of {max_wr + 1} on {self.name}")
+        qp = mc_create_qp(self.pd, own if own != NULL else self.cq, max_wr, 1)
         if qp == NULL:
-            _fail(errno or 22, f"creating a QP of {max_wr} WRs on {self.name}")
-        return Qp.wrap(self, qp, max_wr)
+            code = errno or 22
+            if own != NULL:
+                ibv_destroy_cq(own)
+            _fail(code, f"creating a QP of {max_wr} WRs on {self.name}")
+        q = Qp.wrap(self, qp, max_wr)
+        q.own = own
+        return q
 
     def poll(self, int n=64, double spin=-1.0):
         """Up to ``n`` completions as (wr_id, status, qp_num) tuples; while the CQ is empty,
@@ -177,6 +196,7 @@ cdef class Qp:
     """An RC QP of a Device, and room to chain ``max_wr`` WRs for one post."""
 
     cdef ibv_qp *qp
+    cdef ibv_cq *own  # a CQ of its own (create_qp(own_cq=True)), else NULL
     cdef object dev
     cdef ibv_send_wr *wrs
     cdef ibv_sge *sges
@@ -252,9 +272,61 @@ cdef class Qp:
         if self.qp != NULL:
             ibv_destroy_qp(self.qp)
             self.qp = NULL
+        if self.own != NULL:
+            ibv_destroy_cq(self.own)
+            self.own = NULL
         free(self.wrs)
         free(self.sges)
         free(self.runs)
         self.wrs = NULL
         self.sges = NULL
         self.runs = NULL
+
+
+cdef enum:
+    MAX_CHAINS = 64
+
+
+def run_wait(bint write, list plan, double deadline, double spin):
+    """One request of a caller that waits for it: ``plan`` is a list of (qp, laddr, lkey,
+    raddr, rkey, length, part) with qp a Qp made with ``own_cq``, idle (nothing posted on it
+    not yet completed) and used by this caller only; each entry is posted on its QP as one
+    chain of WRs of ``part`` bytes whose last asks for a completion. Then one pass over the
+    CQs with the GIL (a completion may be there already); while chains are left, they are
+    waited for without the GIL until ``deadline`` (time.monotonic()), spinning ``spin``
+    seconds, then polling every 20 us.
+
+    Returns (0, -1) when every chain completed; (status, i) when plan[i] completed with that
+    ibv_wc_status; (-errno, i) when posting plan[i] failed (the chains before it were posted and
+    are not waited for), its CQ could not be polled, or (-ETIMEDOUT) it was not complete at the
+    deadline. After a failure the QPs of the plan are in an unknown state: take them down."""
+    cdef int n = len(plan), i, rc, bad = 0, pending = 0, which = -1
+    cdef ibv_cq *cqs[MAX_CHAINS]
+    cdef uint8_t done[MAX_CHAINS]
+    cdef Qp q
+    cdef mc_run *r
+    if n > MAX_CHAINS:
+        raise ValueError(f"{n} chains exceed {MAX_CHAINS}")
+    for i in range(n):
+        t = <tuple>plan[i]
+        q = <Qp?>t[0]
+        if q.qp == NULL or q.own == NULL:
+            raise VerbsError(9, "run_wait needs open QPs with CQs of their own")
+        r = &q.runs[0]
+        r.wr_id, r.laddr, r.lkey, r.raddr, r.rkey, r.length, r.part = (
+            i, t[1], t[2], t[3], t[4], t[5], t[6])
+        r.signaled = 1
+        if r.part == 0:
+            raise ValueError("a chain's part size must be > 0")
+        if mc_parts(r) > <uint32_t>q.max_wr:
+            raise ValueError(f"{mc_parts(r)} WRs exceed the QP's {q.max_wr}")
+        rc = mc_post_runs(q.qp, write, q.runs, 1, q.wrs, q.sges, &bad)
+        if rc:
+            return (-rc, i)
+        cqs[i] = q.own
+        done[i] = 0
+    rc = mc_wait(cqs, done, n, deadline, spin, 1, &pending, &which)
+    if rc == 0 and pending:
+        with nogil:
+            rc = mc_wait(cqs, done, n, deadline, spin, 0, &pending, &which)
+    return (rc, which)

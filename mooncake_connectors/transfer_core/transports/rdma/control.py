@@ -20,7 +20,7 @@ from ..tcp import open_connection
 from .verbs import QpAddr
 
 
-class ConnectRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ConnectRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     segment: str
     nic: str  # the initiator's NIC
     peer_nic: str  # the target's NIC to connect to
@@ -29,6 +29,9 @@ class ConnectRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gid: str
     lid: int
     mtu: int = 0  # the initiator's active MTU (IBV_MTU_*); both ends use the smaller
+    # a rail's direct QP (direct.py), kept apart from the rail's own; sent only when set, so
+    # a rail's request is what older versions expect (they refuse the field: no direct QP)
+    direct: bool = False
 
 
 class ConnectReply(msgspec.Struct, frozen=True):

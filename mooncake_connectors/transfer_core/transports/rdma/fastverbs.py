@@ -92,9 +92,10 @@ class FastNic(Nic):
             raise self._reg_error(_with_code(exc), addr, length) from None
 
     # -- queue pairs ------------------------------------------------------------------------
-    def create_qp(self, max_wr: int) -> Any:
+    def create_qp(self, max_wr: int, own_cq: bool = False) -> Any:
+        """An RC QP on the NIC's CQ, or (``own_cq``, a direct QP) on a CQ of its own."""
         try:
-            return self.dev.create_qp(min(max_wr, self.max_qp_wr))
+            return self.dev.create_qp(min(max_wr, self.max_qp_wr), own_cq)
         except OSError as exc:
             raise TransportBroken(f"cannot create a QP on {self.name}: {exc}") from None
 

@@ -28,7 +28,7 @@ class PassiveSide:
     max_wr: int
     _lock: threading.Lock
     _closed: bool
-    _passive: dict[tuple[str, str, str], tuple[Nic, object]]
+    _passive: dict[tuple[str, str, str, bool], tuple[Nic, object]]
     _reaped: float
 
     def _on_connect(self, payload: bytes, who: str) -> bytes:
@@ -51,7 +51,7 @@ class PassiveSide:
             except MooncakeConnectorsError:
                 nic.destroy(qp)
                 raise
-        key = (req.segment, req.nic, req.peer_nic)
+        key = (req.segment, req.nic, req.peer_nic, req.direct)
         cap = self.settings.max_passive
         with self._lock:
             old = self._passive.pop(key, None)

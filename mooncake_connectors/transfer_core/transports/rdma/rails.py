@@ -31,6 +31,7 @@ from ...transport import Slice
 from .verbs import Completion, GidChanged, QpAddr
 
 if TYPE_CHECKING:
+    from .direct import DirectQp
     from .mrs import LocalMr
     from .nicstate import NicState
 
@@ -136,6 +137,8 @@ class Rail:
         self.busy_since = 0.0
         self.posts = 0
         self.carried = 0  # WRs completed on this rail (for tests and stats)
+        self.direct: DirectQp | None = None  # its direct QP (direct.py), made on first need
+        self.direct_carried = 0  # WRs completed on the direct QP
         self.closed = False
         self.gen = 0  # bumped when the rail breaks: a connect begun before it is stale
 
@@ -388,6 +391,8 @@ class Rail:
     def close(self, err: MooncakeConnectorsError) -> None:
         with self.lock:
             self.closed = True
+        if self.direct is not None:
+            self.direct.close()
         self.broke(err, cool=False)
 
 
@@ -397,7 +402,7 @@ class RailOwner:
     max_wr: int
     signal_every: int
     rail_timeout: float
-    exchange: Callable[[Rail, QpAddr], QpAddr]
+    exchange: Callable[..., QpAddr]  # (rail, our QP's address, direct=False)
 
     def rail_ok(self, rail: Rail) -> None:
         raise NotImplementedError

@@ -20,7 +20,9 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     initiators whose segment is gone are destroyed. traffic_class / service_level: the RoCE
     GRH traffic class and the IB service level of every QP; -1 takes MC_IB_TC / MC_IB_SL, else
     0 (DSCP 0 is the lossy class on PFC/ECN fabrics, so RoCE deployments set it). gpu_mr: "auto"
-    (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read.
+    (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read. direct_qps:
+    on the compiled data path, a second QP per rail, with a CQ of its own, for requests whose
+    caller waits for them (direct.py); doubles the QPs a peer makes on each side.
     """
 
     verbs: str = "pyverbs"
@@ -37,6 +39,7 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     service_level: int = -1
     gpu_mr: str = "auto"
     sysfs: str = "/sys"
+    direct_qps: bool = True
 
     def __post_init__(self) -> None:
         checks = (

@@ -16,22 +16,26 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ....config import EngineConfig, ib_qos_from_env
 from ....errors import (
     AccessViolation,
     ConfigError,
     MooncakeConnectorsError,
+    TransferTimeout,
     TransportBroken,
     TransportClosed,
 )
-from ....types import LocationKind
+from ....types import LocationKind, TransferOp
 from ...descriptor import RegionDesc, SegmentDesc
 from ...health import PathHealth
 from ...memory import Region
 from ...transport import Slice, Transport, TransportContext, load_settings
 from ..tcp_server import TcpServer
 from . import control
+from .direct import READY, Direct
+from .fastverbs import fast_module
 from .memlock import check_memlock
 from .mrs import Registry
 from .nicstate import NicState
@@ -50,6 +54,9 @@ class _Peer:
         self.incarnation = _incarnation(desc)
         self.desc = desc
         self.rails = rails
+        # the direct way's caches (direct.py), dropped when the descriptor changes
+        self.direct_remote: Any = None
+        self.direct_pick: Any = None
 
 
 def _incarnation(d: SegmentDesc) -> tuple[object, ...]:
@@ -75,12 +82,13 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         self.registry: Registry | None = None
         self.topology = Topology()
         self._peers: dict[str, _Peer] = {}
-        self._passive: dict[tuple[str, str, str], tuple[Nic, object]] = {}
+        self._passive: dict[tuple[str, str, str, bool], tuple[Nic, object]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: TcpServer | None = None
         self._closed = False
         self._reaped = -_REAP_EVERY
+        self._direct: Direct | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> dict[str, str]:
@@ -103,6 +111,9 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             state.thread.start()
         self.registry = Registry(opened, st.gpu_mr)
         self.topology = Topology.read(st.sysfs)
+        if st.direct_qps and all(n.compiled for n in opened):
+            self._direct = Direct(self, fast_module())
+            self.runs_one = self.runs_inline = True
         self._server = TcpServer(self.ctx, control=self._on_connect, data=False, port=0)
         host = self.ctx.config.host
         host = f"[{host}]" if ":" in host else host
@@ -135,6 +146,8 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         """Deregister the MRs of regions that were unregistered, once nothing uses them."""
         if self.registry is None:
             return
+        if self._direct is not None:
+            self._direct.local_changed()
         live = {(r.addr, r.length) for r in self.ctx.local.regions()}
         for mr in self.registry.dropped(live):
             # Work requests finish or are failed by the engine at their deadline (which takes
@@ -167,6 +180,18 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         for state in self.nics.values():
             state.wake.set()
             state.thread.join(1.0)
+        # a caller still waiting on a direct QP (in C) is done within rail_timeout; its device
+        # must outlive that wait, so a device is left open rather than closed under it
+        busy = False
+        for d in [r.direct for p in peers for r in p.rails if r.direct is not None]:
+            if d.lock.acquire(timeout=self.rail_timeout + 1.0):
+                d.take_down()
+                d.lock.release()
+            else:
+                busy = True
+        if busy:
+            log.warning("rdma: a transfer still waits on a direct QP; its NICs are left open")
+            return
         if self.registry is not None:
             self.registry.close_all()
         for state in self.nics.values():
@@ -186,6 +211,8 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
     def _peer(self, desc: SegmentDesc) -> _Peer:
         p = self._peers.get(desc.name)
         if p is not None and p.incarnation == _incarnation(desc):
+            if p.desc is not desc:  # refreshed: its regions (and rkeys) may have changed
+                p.desc, p.direct_remote, p.direct_pick = desc, None, None
             return p
         with self._lock:
             if self._closed:
@@ -274,6 +301,50 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         if inline_ok and by_rail:
             self._wait_inline(works, [r for r, _ in by_rail.values()])
 
+    # -- a caller that waits: direct QPs (direct.py), on the compiled path only --------------
+    def run_one(
+        self,
+        peer: SegmentDesc,
+        op: TransferOp,
+        remote: int,
+        local: int,
+        length: int,
+        deadline: float,
+    ) -> MooncakeConnectorsError | bool:
+        p = self._peers.get(peer.name)
+        if p is None or p.desc is not peer:
+            try:
+                p = self._peer(peer)
+            except MooncakeConnectorsError:
+                return False
+        if self._direct is None or self._closed:
+            return False
+        return self._direct.run(p, op, remote, local, length, deadline)
+
+    def run_inline(self, peer: SegmentDesc, s: Slice) -> MooncakeConnectorsError | None:
+        try:
+            p = self._peer(peer)
+        except MooncakeConnectorsError as exc:
+            return exc
+        s.path = "rdma"
+        if self._direct is not None and s.local_device < 0:
+            got = self._direct.run(
+                p, s.op, s.remote_addr, s.local_addr, s.length, s.deadline, s.region
+            )
+            if got is True:
+                return None
+            if got is not False:
+                return got
+        # the rails, waited for here: a Slice of our own reports to this call, not the engine
+        out: list[MooncakeConnectorsError | None] = []
+        mine = Slice(s.op, s.local_addr, s.remote_addr, s.length, s.deadline,
+                     lambda _s, err: out.append(err))  # fmt: skip
+        mine.region, mine.local_device, mine.lane = s.region, s.local_device, s.lane
+        self.submit(peer, [mine], inline_ok=True)
+        if out:
+            return out[0]
+        return TransferTimeout("the request's deadline passed on rdma", peer=peer.name)
+
     def _wait_inline(self, works: list[Work], rails: list[Rail]) -> None:
         """The caller waits anyway: poll its NICs from its thread (no hand-off to the poller
         and back), until its slices are done or their deadline passes. The engine does not
@@ -342,7 +413,7 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         return wrs
 
     # -- RailOwner --------------------------------------------------------------------------
-    def exchange(self, rail: Rail, ours: QpAddr) -> QpAddr:
+    def exchange(self, rail: Rail, ours: QpAddr, direct: bool = False) -> QpAddr:
         p = self._peers.get(rail.peer)
         if p is None:
             raise TransportBroken("peer forgotten", peer=rail.peer)
@@ -356,6 +427,7 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             nic.gid,
             nic.lid,
             nic.mtu,
+            direct,
         )
         deadline = time.monotonic() + self.ctx.config.connect_timeout
         return control.exchange(self.ctx, rail.peer, p.desc.endpoints["rdma"], req, deadline)
@@ -389,15 +461,18 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             r.broke(TransportBroken("aborted after a missed deadline", peer=peer_name), cool=False)
 
     def rail_stats(self, peer_name: str) -> dict[str, dict[str, float]]:
-        """Per rail to ``peer_name`` ("LOCAL>REMOTE"): requests carried, measured bytes/s,
-        and whether it is cooling down."""
+        """Per rail to ``peer_name`` ("LOCAL>REMOTE"): WRs carried (its direct QP's too),
+        measured bytes/s, whether it is cooling down, whether its direct QP is connected and
+        the WRs it carried."""
         p = self._peers.get(peer_name)
         now = time.monotonic()
         return {
             f"{r.nic.nic.name}>{r.remote_nic}": {
-                "carried": float(r.carried),
+                "carried": float(r.carried + r.direct_carried),
                 "bw": r.bw,
                 "cooling": float(not self.health.usable(r.key, now)),
+                "direct": float(r.direct is not None and r.direct.state == READY),
+                "direct_carried": float(r.direct_carried),
             }
             for r in (p.rails if p is not None else [])
         }
