@@ -129,6 +129,41 @@ def test_a_waited_for_request_goes_on_direct_qps(lib: Path, made: list[_Pair], p
 
 
 @compiled_only
+@pytest.mark.parametrize("layout", ["adjacent", "shuffled"])
+def test_a_waited_for_batch_of_kv_blocks_goes_on_direct_qps(
+    lib: Path, made: list[_Pair], layout: str
+) -> None:
+    """``engine.transfer`` of many requests (what a PD decode's load does, through
+    ``engine.run``): 4 (layer, K/V) spans of 48 blocks of 32 KiB, the remote blocks in the local
+    order (coalesced into 64 KiB WRs) or shuffled (a WR each), go on the direct QPs in one
+    compiled call: every block lands where it says, both ways, and the rails' own QPs carry
+    nothing."""
+    p = _Pair(lib, "compiled", ["rdma"])
+    made.append(p)
+    p.write(4096)
+    rails, direct = _carried(p.wait_direct())
+    block, spans, per = 32 << 10, 4, 48
+    order = list(range(per))
+    remote = order if layout == "adjacent" else order[7:] + order[:7]
+    if layout == "shuffled":
+        remote[::2] = remote[::2][::-1]
+    blocks = [
+        (p.addr_a + (s * per + i) * block, p.addr_b + (s * per + j) * block, block)
+        for s in range(spans)
+        for i, j in zip(order, remote, strict=True)
+    ]
+    p.a.call("batch", op="write", peer=p.b.segment, blocks=blocks)
+    back = [(lo + spans * per * block, ro, n) for lo, ro, n in blocks]
+    p.a.call("batch", op="read", peer=p.b.segment, blocks=back)
+    for lo, ro, n in blocks + back:
+        assert p.a.call("digest", addr=lo, length=n) == p.b.call("digest", addr=ro, length=n)
+    rails2, direct2 = _carried(p.stats())
+    assert rails2 == rails, "a waited-for batch went on the rails' own QPs"
+    # adjacent: 4 spans of 1.5 MiB, 24 WRs of 64 KiB each; shuffled: a WR per block
+    assert direct2 - direct == 2 * (spans * 24 if layout == "adjacent" else spans * per)
+
+
+@compiled_only
 def test_an_access_error_on_a_direct_qp_is_final_and_cools_no_rail(
     lib: Path, made: list[_Pair]
 ) -> None:

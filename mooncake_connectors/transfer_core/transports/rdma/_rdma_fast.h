@@ -144,6 +144,85 @@ static int mc_wait(struct ibv_cq **cqs, uint8_t *done, int n, double deadline, d
 	}
 }
 
+/* One WR of a batch: ``len`` bytes between ``laddr`` and ``raddr`` (offsets added per lane). */
+typedef struct {
+	uint64_t laddr, raddr;
+	uint32_t len;
+} mc_blk;
+
+/* A direct QP a batch runs on: its keys, the shift of each side's addresses for its NIC pair
+ * (dma-buf iovas), its room to chain ``max_wr`` WRs, and its share [first, end) of the WRs. */
+typedef struct {
+	struct ibv_qp *qp;
+	struct ibv_cq *cq;
+	struct ibv_send_wr *wrs;
+	struct ibv_sge *sges;
+	int max_wr;
+	uint32_t lkey, rkey;
+	uint64_t loff, roff;
+	int64_t first, next, end;
+} mc_lane;
+
+/* Run ``total`` WRs over lanes[0..nl) (nl <= 64): each lane takes a contiguous share and posts
+ * it in waves of at most max_wr WRs, one chain per wave whose last WR asks for a completion;
+ * every lane's wave completes before the next wave is posted. 0, or as mc_wait (and -errno of a
+ * refused post) with *which the lane. */
+static int mc_run_blocks(int write, const mc_blk *w, int64_t total, mc_lane *lanes, int nl,
+			 double deadline, double spin, int *which)
+{
+	uint8_t done[64];
+	struct ibv_cq *cqs[64];
+	int64_t per = (total + nl - 1) / nl;
+	for (int i = 0; i < nl; i++) {
+		int64_t a = (int64_t)i * per, b = a + per;
+		lanes[i].first = lanes[i].next = a < total ? a : total;
+		lanes[i].end = b < total ? b : total;
+		cqs[i] = lanes[i].cq;
+	}
+	for (;;) {
+		int posted = 0, pending = 0;
+		for (int i = 0; i < nl; i++) {
+			mc_lane *L = &lanes[i];
+			int64_t m = L->end - L->next;
+			if (m > L->max_wr)
+				m = L->max_wr;
+			done[i] = 1;
+			if (m <= 0)
+				continue;
+			for (int64_t j = 0; j < m; j++) {
+				const mc_blk *b = &w[L->next + j];
+				struct ibv_sge *s = &L->sges[j];
+				struct ibv_send_wr *wr = &L->wrs[j];
+				s->addr = b->laddr + L->loff;
+				s->length = b->len;
+				s->lkey = L->lkey;
+				wr->wr_id = (uint64_t)i;
+				wr->next = j + 1 < m ? &L->wrs[j + 1] : NULL;
+				wr->sg_list = s;
+				wr->num_sge = 1;
+				wr->opcode = write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
+				wr->send_flags = j + 1 == m ? IBV_SEND_SIGNALED : 0;
+				wr->wr.rdma.remote_addr = b->raddr + L->roff;
+				wr->wr.rdma.rkey = L->rkey;
+			}
+			struct ibv_send_wr *bad = NULL;
+			int rc = ibv_post_send(L->qp, L->wrs, &bad);
+			if (rc) {
+				*which = i;
+				return -rc;
+			}
+			L->next += m;
+			done[i] = 0;
+			posted++;
+		}
+		if (!posted)
+			return 0;
+		int rc = mc_wait(cqs, done, nl, deadline, spin, 0, &pending, which);
+		if (rc)
+			return rc;
+	}
+}
+
 static int mc_to_init(struct ibv_qp *qp, int port, int access)
 {
 	struct ibv_qp_attr a;

@@ -10,7 +10,8 @@ run_wait is a whole request of a caller that waits for it: a chain on each of a 
 have CQs of their own, posted and waited for in one call.
 """
 
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc
 from libc.stdlib cimport calloc, free
 from libc.string cimport strerror
 from libc.errno cimport errno
@@ -65,6 +66,20 @@ cdef extern from "_rdma_fast.h" nogil:
     int mc_poll(ibv_cq *cq, int n, ibv_wc *wc, double spin)
     int mc_wait(ibv_cq **cqs, uint8_t *done, int n, double deadline, double spin, int once,
                 int *pending, int *which)
+    ctypedef struct mc_blk:
+        uint64_t laddr, raddr
+        uint32_t len
+    ctypedef struct mc_lane:
+        ibv_qp *qp
+        ibv_cq *cq
+        ibv_send_wr *wrs
+        ibv_sge *sges
+        int max_wr
+        uint32_t lkey, rkey
+        uint64_t loff, roff
+        int64_t first, next, end
+    int mc_run_blocks(int write, const mc_blk *w, int64_t total, mc_lane *lanes, int nl,
+                      double deadline, double spin, int *which)
 
 
 class VerbsError(OSError):
@@ -330,3 +345,70 @@ def run_wait(bint write, list plan, double deadline, double spin):
         with nogil:
             rc = mc_wait(cqs, done, n, deadline, spin, 0, &pending, &which)
     return (rc, which)
+
+
+def run_blocks(bint write, list slices, object op, list lanes, uint64_t llo, uint64_t lhi,
+               uint64_t rlo, uint64_t rhi, uint32_t part, double deadline, double spin):
+    """A batch of a caller that waits for it: ``slices`` (engine Slices, all of ``op``, each in
+    the local range [llo, lhi) and the remote range [rlo, rhi)), adjacent ones coalesced, cut
+    into WRs of at most ``part`` bytes and spread over ``lanes``, (qp, lkey, loff, rkey, roff)
+    with qp a Qp made with ``own_cq``, idle and used by this caller only; each lane posts its
+    share in chains of at most its max_wr WRs and waits for each (without the GIL) until
+    ``deadline``. Returns (rc, which, WRs per lane): rc 0 when every WR completed; -EINVAL with
+    which the slice when a slice is not of ``op``, empty or out of range (nothing posted);
+    else as run_wait, which the lane."""
+    cdef Py_ssize_t n = len(slices), i, k = 0, runs = 0
+    cdef int nl = len(lanes), rc = 0, which = -1, j
+    cdef uint64_t la, ra, ln, o, total = 0
+    cdef mc_lane cl[MAX_CHAINS]
+    cdef mc_blk *blk = NULL
+    cdef mc_blk *w = NULL
+    cdef Qp q
+    if nl < 1 or nl > MAX_CHAINS or part == 0:
+        raise ValueError(f"{nl} lanes (1..{MAX_CHAINS}), part {part}")
+    blk = <mc_blk *>malloc(max(1, n) * sizeof(mc_blk))
+    if blk == NULL:
+        raise MemoryError()
+    try:
+        # coalesce: a slice continuing the previous one on both sides joins its run
+        for i in range(n):
+            s = slices[i]
+            if s.op is not op:
+                return (-22, i, [])
+            la, ra, ln = s.local_addr, s.remote_addr, s.length
+            if ln == 0 or la < llo or la + ln > lhi or ra < rlo or ra + ln > rhi:
+                return (-22, i, [])
+            if runs and blk[runs - 1].laddr + blk[runs - 1].len == la \
+                    and blk[runs - 1].raddr + blk[runs - 1].len == ra \
+                    and <uint64_t>blk[runs - 1].len + ln <= 0xffffffff:
+                blk[runs - 1].len += <uint32_t>ln
+            elif ln > 0xffffffff:
+                return (-22, i, [])
+            else:
+                blk[runs].laddr, blk[runs].raddr, blk[runs].len = la, ra, <uint32_t>ln
+                runs += 1
+            total += (ln + part - 1) // part + 1  # an upper bound on the WRs
+        w = <mc_blk *>malloc(max(1, total) * sizeof(mc_blk))
+        if w == NULL:
+            raise MemoryError()
+        for i in range(runs):
+            o = 0
+            while o < blk[i].len:
+                ln = min(<uint64_t>part, blk[i].len - o)
+                w[k].laddr, w[k].raddr, w[k].len = blk[i].laddr + o, blk[i].raddr + o, <uint32_t>ln
+                k += 1
+                o += ln
+        for j in range(nl):
+            t = <tuple>lanes[j]
+            q = <Qp?>t[0]
+            if q.qp == NULL or q.own == NULL:
+                raise VerbsError(9, "run_blocks needs open QPs with CQs of their own")
+            cl[j].qp, cl[j].cq, cl[j].wrs, cl[j].sges, cl[j].max_wr = (
+                q.qp, q.own, q.wrs, q.sges, q.max_wr)
+            cl[j].lkey, cl[j].loff, cl[j].rkey, cl[j].roff = t[1], t[2], t[3], t[4]
+        with nogil:
+            rc = mc_run_blocks(write, w, k, cl, nl, deadline, spin, &which)
+        return (rc, which, [cl[j].next - cl[j].first for j in range(nl)])
+    finally:
+        free(blk)
+        free(w)

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ....errors import AccessViolation, MooncakeConnectorsError, TransferTimeout, TransportBroken
@@ -39,6 +40,7 @@ from .verbs import GidChanged, QpAddr
 
 if TYPE_CHECKING:
     from ...descriptor import RegionDesc
+    from ...transport import Slice
     from .mrs import LocalMr
     from .rails import Rail
     from .transport import RdmaTransport, _Peer
@@ -222,7 +224,6 @@ class Direct:
     ) -> MooncakeConnectorsError | bool:
         """Move one host-memory request on direct QPs from this thread: True when done, the
         error of the attempt, or False, having done nothing, when the rails must take it."""
-        o = self.owner
         rm = p.direct_remote
         if rm is None or not (rm.lo <= remote and remote + n <= rm.hi):
             rd = region if region is not None else p.desc.find_region(remote, n)
@@ -236,15 +237,95 @@ class Direct:
         if not choices:
             return False
         size = self.size
-        k = len(choices)
-        share = max(size, _up(_up(n, k), size) * size)  # per QP: whole WRs, at least one
-        want = _up(n, share)
-        held: list[_Choice] = []
+        share = max(size, _up(_up(n, len(choices)), size) * size)  # per QP: whole WRs, >= 1
+        held = self._take(choices, _up(n, share))
+        if not held:
+            return False
+        share = max(share, _up(_up(n, len(held)), size) * size)
+        if share // size > self.max_parts:
+            for c in held:
+                c[0].lock.release()
+            return False
+        used = held[: _up(n, share)]
+        for c in held[len(used) :]:
+            c[0].lock.release()
+        plan = []
+        for i, (d, lkey, loff, rkey, roff) in enumerate(used):
+            o_ = i * share
+            plan.append((d.qp, local + o_ + loff, lkey, remote + o_ + roff, rkey,
+                         min(share, n - o_), size))  # fmt: skip
+        mr = lc.mr
+        mr.acquire(len(used))
+        limit = min(deadline, time.monotonic() + self.owner.rail_timeout)
+        try:
+            rc, which = self.fast.run_wait(op is TransferOp.WRITE, plan, limit, self.spin)
+        except (OSError, ValueError) as exc:
+            rc, which = -(getattr(exc, "errno", None) or errno.EINVAL), 0
+        err = None if rc == 0 else self._error(rc, used[which][0].rail, deadline)
+        if err is None:
+            for c, chain in zip(used, plan, strict=True):
+                c[0].rail.direct_carried += _up(chain[5], size)
+        self._let_go(used, mr, err)
+        return True if err is None else err
+
+    def run_slices(self, p: _Peer, slices: Sequence[Slice]) -> MooncakeConnectorsError | bool:
+        """A batch whose caller waits for it (``submit(..., inline_ok=True)``: the engine's
+        ``run``, e.g. a PD decode's KV load), of one op, in one local registration of host
+        memory and one region of the peer: coalesced, cut and spread over the direct QPs in one
+        compiled call. True when every slice is done, the attempt's error (for every slice),
+        or False, having done nothing, when the rails must take it."""
+        o = self.owner
+        first = slices[0]
+        region = first.region
+        if region is None or not region.rdma_rkeys or any(s.local_device >= 0 for s in slices):
+            return False
+        rm = p.direct_remote
+        if rm is None or (rm.region is not region and rm.region != region):
+            rm = p.direct_remote = _Remote(region)
+        if len(slices) == 1:
+            lo, hi = first.local_addr, first.local_addr + first.length
+        else:
+            lo = min(s.local_addr for s in slices)
+            hi = max(s.local_addr + s.length for s in slices)
+        lc = self._local_for(lo, hi - lo)
+        if lc is None:
+            return False
+        choices = self._choices(p, rm, lc)
+        held = self._take(choices, min(len(choices), _up(hi - lo, self.size)))
+        if not held:
+            return False
+        mr = lc.mr
+        lanes = [(d.qp, lkey, loff, rkey, roff) for d, lkey, loff, rkey, roff in held]
+        deadline = min(s.deadline for s in slices)
+        limit = min(deadline, time.monotonic() + o.rail_timeout * max(1, len(slices) // 4096))
+        mr.acquire(len(held))
+        try:
+            rc, which, wrs = self.fast.run_blocks(
+                first.op is TransferOp.WRITE, slices, first.op, lanes, lc.lo, lc.hi,
+                rm.lo, rm.hi, self.size, limit, self.spin,
+            )  # fmt: skip
+        except (OSError, ValueError) as exc:
+            rc, which, wrs = -(getattr(exc, "errno", None) or errno.EINVAL), 0, []
+        if rc == -errno.EINVAL and not wrs:  # a slice it does not take: nothing was posted
+            self._let_go(held, mr, None)
+            return False
+        err = None if rc == 0 else self._error(rc, held[which][0].rail, deadline)
+        for (d, *_), n in zip(held, wrs, strict=False):
+            d.rail.direct_carried += n if err is None else 0
+        self._let_go(held, mr, err)
+        return True if err is None else err
+
+    def _take(self, choices: list[_Choice], want: int) -> list[_Choice]:
+        """Up to ``want`` of ``choices`` that are connected, usable and free, locked for this
+        caller, starting at the next in turn; connects the others in the background."""
+        o = self.owner
         health = o.health
         check = health.any_recorded()
         now = time.monotonic()
+        k = len(choices)
         start = self._rr
         self._rr = start + 1
+        held: list[_Choice] = []
         for i in range(k):
             c = choices[(start + i) % k]
             d = c[0]
@@ -262,47 +343,19 @@ class Direct:
             held.append(c)
             if len(held) == want:
                 break
-        if not held:
-            return False
-        if len(held) < want:
-            share = _up(_up(n, len(held)), size) * size
-        if share // size > self.max_parts:
-            for c in held:
-                c[0].lock.release()
-            return False
-        plan = []
-        used = []
-        mr = lc.mr
-        o_ = 0
-        for d, lkey, loff, rkey, roff in held:
-            if o_ >= n:
-                break
-            ln = min(share, n - o_)
-            plan.append((d.qp, local + o_ + loff, lkey, remote + o_ + roff, rkey, ln, size))
-            used.append((d, ln))
-            o_ += ln
-        for c in held[len(used) :]:
-            c[0].lock.release()
-        mr.acquire(len(used))
-        limit = min(deadline, now + o.rail_timeout)
-        try:
-            rc, which = self.fast.run_wait(op is TransferOp.WRITE, plan, limit, self.spin)
-        except (OSError, ValueError) as exc:
-            rc, which = -(getattr(exc, "errno", None) or errno.EINVAL), 0
-        err = None if rc == 0 else self._error(rc, used[which][0].rail, deadline)
-        for d, ln in used:
+        return held
+
+    def _let_go(
+        self, held: list[_Choice], mr: LocalMr, err: MooncakeConnectorsError | None
+    ) -> None:
+        for d, *_ in held:
             if err is not None or d.closing:
                 d.take_down()
-            else:
-                d.rail.direct_carried += _up(ln, size)
             d.lock.release()
             mr.release()
-        if err is None:
-            if check:
-                for d, _ in used:
-                    health.succeeded(d.rail.key)
-            return True
-        return err
+        if err is None and self.owner.health.any_recorded():
+            for d, *_ in held:
+                self.owner.health.succeeded(d.rail.key)
 
     def _error(self, rc: int, rail: Rail, deadline: float) -> MooncakeConnectorsError:
         o = self.owner

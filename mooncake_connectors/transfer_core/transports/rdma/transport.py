@@ -266,6 +266,14 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             for s in slices:
                 s.complete(exc)
             return
+        if inline_ok and slices and self._direct is not None and not self._closed:
+            got = self._direct.run_slices(p, slices)  # the caller waits: direct QPs
+            if got is not False:
+                err = None if got is True else got
+                for s in slices:
+                    s.path = "rdma"
+                    s.complete(err)
+                return
         size = self.settings.slice_size
         now = time.monotonic()
         by_rail: dict[int, tuple[Rail, list[WR]]] = {}
