@@ -19,7 +19,8 @@ vLLM-shaped batch (layers x K/V x blocks of 32 KiB) submitted at once, with the 
 the local order (adjacent: coalesced) or shuffled (no two adjacent), CPU ms until all complete:
 submitted for the rails' threads to complete (``submit``), and by a caller that waits for it
 (``inline``: ``submit(..., inline_ok=True)``, what ``engine.run`` does, e.g. a PD decode's KV
-load; on direct QPs where they are on).
+load; on direct QPs where they are on); and through the engine (``engine``: one ``engine.run``
+of the blocks as requests, the engine's per-request work included).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def _scatter(
     eng: Any, rdma: Any, peer: Any, src: int, dst: int, layers: int, blocks: int, block: int,
     rounds: int,
 ) -> dict[str, Any]:  # fmt: skip
+    from ..transfer_core.engine import TransferRequest
+
     n = layers * 2 * blocks
     res: dict[str, Any] = {"layers": layers, "kv": 2, "blocks_per_layer": blocks,
                            "block_bytes": block, "blocks": n}  # fmt: skip
@@ -199,10 +202,18 @@ def _scatter(
                 if not done.ev.wait(120) or done.err is not None:
                     raise RuntimeError(f"scatter bench: {done.err}")
                 (inline_ms if inline else cpu_ms).append((time.process_time() - c0) * 1e3)
+        engine_ms: list[float] = []
+        reqs = [TransferRequest(TransferOp.WRITE, eng.segment_name, lo, ro, ln)
+                for lo, ro, ln in pairs]  # fmt: skip
+        for _ in range(rounds):
+            c0 = time.process_time()
+            eng.run(reqs, timeout=120).raise_for_status()
+            engine_ms.append((time.process_time() - c0) * 1e3)
         res[name] = {
             "cpu_ms_planned_posted_completed": round(statistics.median(cpu_ms), 2),
             "submit_thread_cpu_ms": round(statistics.median(submit_ms), 2),
             "inline_cpu_ms_planned_posted_completed": round(statistics.median(inline_ms), 2),
+            "engine_run_cpu_ms": round(statistics.median(engine_ms), 2),
         }
     return res
 

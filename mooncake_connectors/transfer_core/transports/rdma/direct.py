@@ -237,16 +237,20 @@ class Direct:
         if not choices:
             return False
         size = self.size
-        share = max(size, _up(_up(n, len(choices)), size) * size)  # per QP: whole WRs, >= 1
-        held = self._take(choices, _up(n, share))
+        # per QP: whole WRs, at least one (-(-a // b): a / b rounded up)
+        per = -(-n // len(choices))
+        share = max(size, -(-per // size) * size)
+        held = self._take(choices, -(-n // share))
         if not held:
             return False
-        share = max(share, _up(_up(n, len(held)), size) * size)
+        if len(held) * share < n:
+            per = -(-n // len(held))
+            share = -(-per // size) * size
         if share // size > self.max_parts:
             for c in held:
                 c[0].lock.release()
             return False
-        used = held[: _up(n, share)]
+        used = held[: -(-n // share)]
         for c in held[len(used) :]:
             c[0].lock.release()
         plan = []
@@ -264,7 +268,7 @@ class Direct:
         err = None if rc == 0 else self._error(rc, used[which][0].rail, deadline)
         if err is None:
             for c, chain in zip(used, plan, strict=True):
-                c[0].rail.direct_carried += _up(chain[5], size)
+                c[0].rail.direct_carried += -(-chain[5] // size)
         self._let_go(used, mr, err)
         return True if err is None else err
 
@@ -352,7 +356,7 @@ class Direct:
             if err is not None or d.closing:
                 d.take_down()
             d.lock.release()
-            mr.release()
+        mr.release(len(held))
         if err is None and self.owner.health.any_recorded():
             for d, *_ in held:
                 self.owner.health.succeeded(d.rail.key)

@@ -73,9 +73,9 @@ class LocalMr:
         with self.cv:
             self.inflight += n
 
-    def release(self) -> None:
+    def release(self, n: int = 1) -> None:
         with self.cv:
-            self.inflight -= 1
+            self.inflight -= n
             if self.inflight == 0:
                 self.cv.notify_all()
 
