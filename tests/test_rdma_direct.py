@@ -268,3 +268,63 @@ def test_threads_share_direct_qps_and_every_byte_lands(lib: Path) -> None:
     time, the others take another one or the rails; every request's bytes are right."""
     out = _child(lib, "compiled", THREADS).splitlines()
     assert out == ["bad []", "direct True"], out
+
+
+ASYNC = """
+import random, time
+from mooncake_connectors.config import EngineConfig
+from mooncake_connectors.transfer_core.engine import TransferEngine, TransferRequest
+from mooncake_connectors.types import TransferOp
+cfg = EngineConfig(metadata="memory", transports=("rdma",),
+                   transport_settings={"rdma": {"gid_index": 3}}, timeout=20)
+with TransferEngine(cfg) as eng:
+    rdma = next(t for t in eng.transports if t.name == "rdma")
+    span, block, n = 16 << 20, 32 << 10, 256
+    buf = eng.allocate_buffer(2 * span)
+    mem = buf.array
+    seg = eng.segment_name
+    end = time.monotonic() + 20
+    eng.write(seg, buf.addr, buf.addr + span, 4096)
+    while not all(r.direct is not None and r.direct.state == 2 for r in rdma._peers[seg].rails):
+        assert time.monotonic() < end, "direct QPs not connected"
+        eng.write(seg, buf.addr, buf.addr + span, 4096)
+        time.sleep(0.02)
+    rails = rdma._peers[seg].rails
+    def batch(seed, base):
+        rnd = random.Random(seed)
+        remote = list(range(n))
+        rnd.shuffle(remote)
+        for i in range(n):
+            mem[base + i * block:base + (i + 1) * block] = rnd.randrange(256)
+        return [TransferRequest(TransferOp.WRITE, seg, buf.addr + base + i * block,
+                                buf.addr + span + base + j * block, block)
+                for i, j in enumerate(remote)], remote
+    def check(base, remote):
+        return all((mem[base + i * block:base + (i + 1) * block] ==
+                    mem[span + base + j * block:span + base + (j + 1) * block]).all()
+                   for i, j in enumerate(remote))
+    before = sum(r.direct_carried for r in rails)
+    reqs, remote = batch(1, 0)
+    b = eng.submit(reqs)
+    b.wait(20)
+    b.raise_for_status()
+    wrs = n - sum(remote[i + 1] == remote[i] + 1 for i in range(n - 1))  # (adjacent: coalesced)
+    print("one", check(0, remote), sum(r.direct_carried for r in rails) - before == wrs)
+    # two at once: the direct thread takes one, the rails the other (or both, in turn)
+    (r1, m1), (r2, m2) = batch(2, 0), batch(3, 8 << 20)
+    b1, b2 = eng.submit(r1), eng.submit(r2)
+    for b in (b1, b2):
+        b.wait(20)
+        b.raise_for_status()
+    print("two", check(0, m1), check(8 << 20, m2))
+"""
+
+
+@compiled_only
+def test_an_asynchronous_batch_goes_on_direct_qps_from_their_thread(lib: Path) -> None:
+    """``engine.submit`` of 256 shuffled blocks returns at once; the transport's direct thread
+    posts them on the direct QPs and reports them (a WR each, two adjacent ones one WR), every
+    block where it says; two
+    batches at once both complete right, the second on the rails while the thread is busy."""
+    out = _child(lib, "compiled", ASYNC).splitlines()
+    assert out == ["one True True", "two True True"], out

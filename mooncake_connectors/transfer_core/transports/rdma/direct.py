@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -165,6 +166,11 @@ class Direct:
     def __init__(self, owner: RdmaTransport, fast: Any) -> None:
         self.owner = owner
         self.fast = fast
+        # asynchronous batches: run from a thread of ours, one at a time (``offer``)
+        self._idle = threading.Lock()  # held while a batch is queued or running
+        self._jobs: queue.SimpleQueue[tuple[_Peer, Sequence[Slice]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
         self.spin = spin_us() * 1e-6
         self.size = owner.settings.slice_size
         self._local: _Local | None = None
@@ -174,6 +180,50 @@ class Direct:
 
     def local_changed(self) -> None:
         self._local = None
+
+    def finish(self, slices: Sequence[Slice], got: MooncakeConnectorsError | bool) -> bool:
+        """Report a direct run's outcome to every slice; False (nothing reported) when the
+        run did not take them."""
+        if got is False:
+            return False
+        err = None if got is True else got
+        for s in slices:
+            s.path = "rdma"
+            s.complete(err)
+        return True
+
+    def offer(self, p: _Peer, slices: Sequence[Slice]) -> bool:
+        """An asynchronous batch (``submit`` without ``inline_ok``): run on the direct QPs by
+        this transport's direct thread, which posts, waits and reports it. False, taking
+        nothing, while that thread has a batch already (this one goes on the rails)."""
+        if self._closed or not self._idle.acquire(blocking=False):
+            return False
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="mc-rdma-direct", daemon=True)
+            self._thread.start()
+        self._jobs.put((p, slices))
+        return True
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            p, slices = job
+            try:
+                if not self.finish(slices, self.run_slices(p, slices)):
+                    self.owner._rails(p, slices)
+            except Exception as exc:  # a slice must never be left without an outcome
+                log.exception("rdma direct thread: unexpected error")
+                self.finish(slices, TransportBroken(f"direct QPs: {type(exc).__name__}: {exc}"))
+            finally:
+                self._idle.release()
+
+    def close(self) -> None:
+        """Stop the direct thread after its batch, if any (never waited for here: a batch is
+        bounded by its deadline, and the transport's close waits for its QPs)."""
+        self._closed = True
+        self._jobs.put(None)
 
     def _local_for(self, addr: int, n: int) -> _Local | None:
         o = self.owner

@@ -169,6 +169,8 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             passive = list(self._passive.values())
             self._passive.clear()
         self._stop.set()
+        if self._direct is not None:
+            self._direct.close()
         if self._server is not None:
             self._server.close()
         err = TransportClosed("rdma transport closed")
@@ -266,14 +268,16 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
             for s in slices:
                 s.complete(exc)
             return
-        if inline_ok and slices and self._direct is not None and not self._closed:
-            got = self._direct.run_slices(p, slices)  # the caller waits: direct QPs
-            if got is not False:
-                err = None if got is True else got
-                for s in slices:
-                    s.path = "rdma"
-                    s.complete(err)
-                return
+        if slices and self._direct is not None and not self._closed:
+            if not inline_ok:  # the direct QPs' thread takes it, unless it is busy
+                if self._direct.offer(p, slices):
+                    return
+            elif self._direct.finish(slices, self._direct.run_slices(p, slices)):
+                return  # the caller waits: run on the direct QPs from its thread
+        self._rails(p, slices, inline_ok)
+
+    def _rails(self, p: _Peer, slices: Sequence[Slice], inline_ok: bool = False) -> None:
+        peer = p.desc
         size = self.settings.slice_size
         now = time.monotonic()
         by_rail: dict[int, tuple[Rail, list[WR]]] = {}
