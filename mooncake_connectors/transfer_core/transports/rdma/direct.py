@@ -70,7 +70,14 @@ class DirectQp:
         """Connect in the background, unless connecting already or cooling after a failure."""
         if self.state != IDLE or self.closing or time.monotonic() < self.retry_at:
             return
-        self.state = CONNECTING
+        if not self.lock.acquire(blocking=False):  # (another caller is deciding it)
+            return
+        try:
+            if self.state != IDLE or self.closing:
+                return
+            self.state = CONNECTING
+        finally:
+            self.lock.release()
         threading.Thread(
             target=self._connect, args=(owner,), name="mc-rdma-direct-connect", daemon=True
         ).start()
