@@ -6,44 +6,26 @@ cases skip where ``_rdma_fast`` is not built, and on the pyverbs path there are 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import fake_ibverbs_lib as fib
 import pytest
-from helpers import Peer
-from test_rdma_fast import DEVS, PATHS, _built, _child, _pure_env, lib
+from test_rdma_fast import PATHS, _built, _child, lib, made
+from test_rdma_fast import _Pair as _FastPair
 
-from mooncake_connectors.transfer_core.metadata.http import MetadataHTTPServer
-
-__all__ = ["lib"]  # a fixture, used by name
+__all__ = ["lib", "made"]  # fixtures, used by name
 WR = 64 << 10
 compiled_only = pytest.mark.skipif(not _built(), reason="_rdma_fast is not built here")
 
 
-class _Pair:
+class _Pair(_FastPair):
     def __init__(
         self, lib: Path, path: str, transports: list[str], retry_scale: float = 0.01, **rdma: Any
     ) -> None:
-        self.fabric = fib.new_fabric()
-        self.srv = MetadataHTTPServer("127.0.0.1", 0).start()
-        self.peers = [
-            Peer(
-                env={**fib.env(lib, DEVS, self.fabric, host, retry_scale), **_pure_env(path)},
-                metadata=self.srv.url,
-                transports=transports,
-                transport_settings={"rdma": {"gid_index": 3, "rail_timeout": 2.0, **rdma}},
-                timeout=20,
-                backoff_initial=30.0,  # a rail that failed stays cool for the rest of the test
-                backoff_max=60.0,
-            )
-            for host in (1, 2)
-        ]
-        self.a, self.b = self.peers
-        self.span = 16 << 20
-        self.addr_a = self.a.call("alloc", kind="numpy", size=self.span, seed=1)["addr"]
-        self.addr_b = self.b.call("alloc", kind="numpy", size=self.span, seed=2)["addr"]
+        # a rail that failed stays cool for the rest of the test
+        engine = {"timeout": 20, "backoff_initial": 30.0, "backoff_max": 60.0}
+        super().__init__(lib, path, path, tuple(transports), retry_scale, engine, **rdma)
 
     def write(self, n: int, off: int = 0, op: str = "write") -> None:
         self.a.call("transfer", op=op, peer=self.b.segment, local=self.addr_a + off,
@@ -69,20 +51,6 @@ class _Pair:
                 return stats
             assert time.monotonic() < end, f"direct QPs not connected: {stats}"
             time.sleep(0.05)
-
-    def close(self) -> None:
-        for p in self.peers:
-            p.close()
-        self.srv.stop()
-        fib.drop_fabric(self.fabric)
-
-
-@pytest.fixture
-def made() -> Iterator[list[_Pair]]:
-    pairs: list[_Pair] = []
-    yield pairs
-    for p in pairs:
-        p.close()
 
 
 def _up(a: int, b: int) -> int:

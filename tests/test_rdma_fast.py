@@ -163,16 +163,25 @@ def test_both_paths_post_chains_and_meet_the_nic_checks_alike(lib: Path, path: s
 
 
 class _Pair:
-    def __init__(self, lib: Path, path_a: str, path_b: str, **rdma: object) -> None:
+    def __init__(
+        self,
+        lib: Path,
+        path_a: str,
+        path_b: str,
+        transports: tuple[str, ...] = ("rdma",),
+        retry_scale: float = 0.01,
+        engine: dict[str, object] | None = None,
+        **rdma: object,
+    ) -> None:
         self.fabric = fib.new_fabric()
         self.srv = MetadataHTTPServer("127.0.0.1", 0).start()
         self.peers = [
             Peer(
-                env={**fib.env(lib, DEVS, self.fabric, host), **_pure_env(path)},
+                env={**fib.env(lib, DEVS, self.fabric, host, retry_scale), **_pure_env(path)},
                 metadata=self.srv.url,
-                transports=["rdma"],
+                transports=list(transports),
                 transport_settings={"rdma": {"gid_index": 3, "rail_timeout": 2.0, **rdma}},
-                timeout=10,
+                **{"timeout": 10, **(engine or {})},
             )
             for host, path in ((1, path_a), (2, path_b))
         ]

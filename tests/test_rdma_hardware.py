@@ -1,6 +1,7 @@
 """The rdma transport on real NICs through pyverbs: runs wherever /sys/class/infiniband lists a
 device (and pyverbs imports), skipped with that reason elsewhere; ``doctor`` and a ``doctor
---peer`` loop to a ``doctor --serve-rdma`` on this host too. Not yet run on hardware."""
+--peer`` loop to a ``doctor --serve-rdma`` on this host too, and the direct QPs of the compiled
+data path. Not yet run on hardware."""
 
 from __future__ import annotations
 
@@ -97,6 +98,58 @@ def test_a_large_transfer_is_sprayed_over_every_active_nic() -> None:
         pytest.skip(f"one active NIC here ({sorted(stats)}): nothing to spray over")
     used = {k.split(">")[0] for k, v in stats.items() if v["carried"] > 0}
     assert len(used) >= 2, stats
+
+
+def test_waited_for_requests_and_a_batch_go_on_direct_qps(link: Any) -> None:
+    """On the compiled data path: once the direct QPs are connected (in the background, on
+    first need), single requests and a shuffled batch of 32 KiB blocks go on them, and every
+    byte reads back. Skipped where the compiled path is not built or turned off."""
+    import time
+
+    from mooncake_connectors.transfer_core import TransferRequest
+    from mooncake_connectors.types import TransferOp
+
+    e, peer, addr = link
+    t = e.transports[0]
+    assert isinstance(t, RdmaTransport)
+    if t._direct is None:
+        pytest.skip("no direct QPs here: the compiled rdma data path is not built or is off")
+    buf = np.zeros(2 * SIZE, dtype=np.uint8)
+    e.register(buf)
+    local = int(buf.ctypes.data)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(v["direct"] for v in t.rail_stats(peer.segment).values()):
+            assert time.monotonic() < deadline, t.rail_stats(peer.segment)
+            e.read(peer.segment, local, addr, 4096)
+            time.sleep(0.05)
+        before = sum(v["direct_carried"] for v in t.rail_stats(peer.segment).values())
+        for size in (1, 65537, 4 << 20):
+            buf[:size] = pattern(size + 1, size)
+            want = _sha(buf[:size])
+            e.write(peer.segment, local, addr, size)
+            buf[:size] = 0
+            e.read(peer.segment, local, addr, size)
+            assert _sha(buf[:size]) == want, size
+        block, n = 32 << 10, SIZE // (32 << 10)
+        order = list(np.random.default_rng(5).permutation(n))
+        buf[:SIZE] = pattern(11, SIZE)
+        seg, w, r = peer.segment, TransferOp.WRITE, TransferOp.READ
+        e.transfer(
+            [TransferRequest(w, seg, local + i * block, addr + int(j) * block, block)
+             for i, j in enumerate(order)]
+        )  # fmt: skip
+        e.transfer(
+            [TransferRequest(r, seg, local + SIZE + int(j) * block, addr + int(j) * block, block)
+             for j in order]
+        )  # fmt: skip
+        for i, j in enumerate(order[:64]):
+            got = buf[SIZE + int(j) * block : SIZE + (int(j) + 1) * block]
+            assert _sha(got) == _sha(buf[i * block : (i + 1) * block]), (i, j)
+        after = sum(v["direct_carried"] for v in t.rail_stats(peer.segment).values())
+        assert after > before
+    finally:
+        e.unregister(local)
 
 
 def _doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

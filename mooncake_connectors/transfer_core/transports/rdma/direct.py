@@ -203,6 +203,9 @@ class Direct:
         """An asynchronous batch (``submit`` without ``inline_ok``): run on the direct QPs by
         this transport's direct thread, which posts, waits and reports it. False, taking
         nothing, while that thread has a batch already (this one goes on the rails)."""
+        first = slices[0]
+        if first.local_device >= 0 or first.region is None:  # (the rails' without a hop)
+            return False
         if self._closed or not self._idle.acquire(blocking=False):
             return False
         if self._thread is None:
