@@ -490,12 +490,36 @@ class TransferEngine:
         batch = Batch(with_ops(requests), deadline)
         groups: dict[tuple[int, str], tuple[Transport, SegmentDesc, list[_Slice]]] = {}
         slice_size = self.config.slice_size
+        # The plan of the request before, for the next one of the same op and peer whose ranges
+        # fall in the same local registration and remote region (a layer's KV blocks): what
+        # _plan would find again. Not while a path cools down (its lanes are chosen per plan).
+        last: tuple[Any, ...] | None = None
         for i, req in enumerate(batch.requests):
-            try:
-                peer, region, transport, lanes, local = self._plan(req, deadline)
-            except MooncakeConnectorsError as exc:
-                batch._fail(i, exc)
-                continue
+            if (
+                last is not None
+                and req.op is last[0]
+                and req.target == last[1]
+                and type(req.length) is int
+                and type(req.local_addr) is int
+                and type(req.remote_addr) is int
+                and req.length > 0
+                and last[2] <= req.local_addr
+                and req.local_addr + req.length <= last[3]
+                and last[4] <= req.remote_addr
+                and req.remote_addr + req.length <= last[5]
+            ):
+                peer, region, transport, lanes, local = last[6]
+            else:
+                try:
+                    plan = self._plan(req, deadline)
+                except MooncakeConnectorsError as exc:
+                    batch._fail(i, exc)
+                    continue
+                peer, region, transport, lanes, local = plan
+                last = None
+                if local is not None and not self.health.any_failing():
+                    last = (req.op, req.target, local.addr, local.end, region.addr,
+                            region.addr + region.length, plan)  # fmt: skip
             if req.length == 0 or local is None:
                 with batch._lock:
                     batch._finish(i, TransferStatus.COMPLETED, None)
