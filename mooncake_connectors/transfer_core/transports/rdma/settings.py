@@ -21,8 +21,8 @@ class RdmaSettings(TransportSettings, frozen=True, forbid_unknown_fields=True):
     GRH traffic class and the IB service level of every QP; -1 takes MC_IB_TC / MC_IB_SL, else
     0 (DSCP 0 is the lossy class on PFC/ECN fabrics, so RoCE deployments set it). gpu_mr: "auto"
     (dma-buf, else peermem), "dmabuf" or "peermem". sysfs: where topology is read. direct_qps:
-    on the compiled data path, a second QP per rail, with a CQ of its own, for requests whose
-    caller waits for them (direct.py); doubles the QPs a peer makes on each side.
+    on the compiled data path, a second QP per rail, with a CQ of its own, that requests and
+    batches go on in one compiled call (direct.py); doubles the QPs a peer makes on each side.
     """
 
     verbs: str = "pyverbs"
