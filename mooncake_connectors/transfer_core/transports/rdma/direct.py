@@ -1,5 +1,6 @@
-"""The rdma transport's short way for a caller that waits for its request (``run_one``,
-``run_inline``): direct QPs.
+"""The rdma transport's direct QPs: a request or a batch posted and waited for in one compiled
+call (``run_one`` / ``run_inline``; ``submit`` with ``inline_ok``; an asynchronous ``submit``
+from the direct thread).
 
 A rail's QP shares its NIC's CQ with every other rail there, so its work requests are tracked one
 by one in Python (rails.py) and completed by the NIC's poller thread or an inline waiter. A
@@ -9,7 +10,10 @@ with a CQ of its own, used by one caller at a time. The request is cut into one 
 QP used (the rails' spreading: at least one run of ``slice_size`` WRs per rail), posted and
 waited for in one compiled call (``_rdma_fast.run_wait``): the last WR of each chain asks for a
 completion, RC completes in order, so one completion per chain vouches for all of it. No Slice,
-no WR objects, no poller, no lock per WR.
+no WR objects, no poller, no lock per WR. A batch (``run_slices``) is coalesced, cut and spread
+in C and posted in waves of at most ``max_wr`` WRs per QP (``_rdma_fast.run_blocks``); an
+asynchronous one is run so by the transport's direct thread, one at a time (``offer``: while it
+is busy, batches take the rails).
 
 Only on the compiled data path (``_rdma_fast`` built, ``MOONCAKE_CONNECTORS_PURE_PYTHON`` unset)
 and with the ``direct_qps`` setting on (default). A direct QP is connected on first need, in the

@@ -313,7 +313,7 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         if inline_ok and by_rail:
             self._wait_inline(works, [r for r, _ in by_rail.values()])
 
-    # -- a caller that waits: direct QPs (direct.py), on the compiled path only --------------
+    # -- one request whose caller waits: direct QPs (direct.py), on the compiled path only ---
     def run_one(
         self,
         peer: SegmentDesc,
