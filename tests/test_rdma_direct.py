@@ -1,5 +1,6 @@
-"""The rdma transport's direct QPs (transports/rdma/direct.py): a request whose caller waits for
-it goes on per-rail QPs with CQs of their own, posted and waited for in one compiled call.
+"""The rdma transport's direct QPs (transports/rdma/direct.py): a request or a batch goes on
+per-rail QPs with CQs of their own, posted and waited for in one compiled call (by the caller,
+or by the transport's direct thread for an asynchronous batch).
 Over the real pyverbs and the emulated NIC (tests/fake_ibverbs), in .venv-rdma; the compiled
 cases skip where ``_rdma_fast`` is not built, and on the pyverbs path there are none."""
 
