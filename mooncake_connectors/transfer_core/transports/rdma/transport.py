@@ -352,7 +352,7 @@ class RdmaTransport(PassiveSide, Transport, RailOwner):
         mine = Slice(s.op, s.local_addr, s.remote_addr, s.length, s.deadline,
                      lambda _s, err: out.append(err))  # fmt: skip
         mine.region, mine.local_device, mine.lane = s.region, s.local_device, s.lane
-        self.submit(peer, [mine], inline_ok=True)
+        self._rails(p, [mine], inline_ok=True)  # (the direct QPs just declined it)
         if out:
             return out[0]
         return TransferTimeout("the request's deadline passed on rdma", peer=peer.name)
