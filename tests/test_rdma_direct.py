@@ -12,6 +12,7 @@ from typing import Any
 
 import fake_ibverbs_lib as fib
 import pytest
+from helpers import wait_until
 from test_rdma_fast import PATHS, _built, _child, lib, made
 from test_rdma_fast import _Pair as _FastPair
 
@@ -44,14 +45,13 @@ class _Pair(_FastPair):
     def wait_direct(self, timeout: float = 20.0) -> dict[str, dict[str, float]]:
         """Requests until every rail's direct QP is connected (each is connected in the
         background on first need); the stats then."""
-        end = time.monotonic() + timeout
-        while True:
+
+        def connected() -> bool:
             self.write(4096)
-            stats = self.stats()
-            if all(v["direct"] for v in stats.values()):
-                return stats
-            assert time.monotonic() < end, f"direct QPs not connected: {stats}"
-            time.sleep(0.05)
+            return all(v["direct"] for v in self.stats().values())
+
+        wait_until(connected, timeout, "every direct QP to connect", interval=0.05)
+        return self.stats()
 
 
 def _up(a: int, b: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Peer, pattern
+from helpers import Peer, pattern, wait_until
 
 from mooncake_connectors.config import EngineConfig
 from mooncake_connectors.transfer_core import TransferEngine
@@ -104,8 +104,6 @@ def test_waited_for_requests_and_a_batch_go_on_direct_qps(link: Any) -> None:
     """On the compiled data path: once the direct QPs are connected (in the background, on
     first need), single requests and a shuffled batch of 32 KiB blocks go on them, and every
     byte reads back. Skipped where the compiled path is not built or turned off."""
-    import time
-
     from mooncake_connectors.transfer_core import TransferRequest
     from mooncake_connectors.types import TransferOp
 
@@ -118,11 +116,12 @@ def test_waited_for_requests_and_a_batch_go_on_direct_qps(link: Any) -> None:
     e.register(buf)
     local = int(buf.ctypes.data)
     try:
-        deadline = time.monotonic() + 30
-        while not all(v["direct"] for v in t.rail_stats(peer.segment).values()):
-            assert time.monotonic() < deadline, t.rail_stats(peer.segment)
-            e.read(peer.segment, local, addr, 4096)
-            time.sleep(0.05)
+
+        def connected() -> bool:
+            e.read(peer.segment, local, addr, 4096)  # (each is connected on first need)
+            return all(v["direct"] for v in t.rail_stats(peer.segment).values())
+
+        wait_until(connected, 30, "every direct QP to connect", interval=0.05)
         before = sum(v["direct_carried"] for v in t.rail_stats(peer.segment).values())
         for size in (1, 65537, 4 << 20):
             buf[:size] = pattern(size + 1, size)
