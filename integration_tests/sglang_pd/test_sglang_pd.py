@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("sglang", reason="SGLang is not installed (it lives in its own venv)")
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 
+from helpers import wait_until  # noqa: E402
+
 from mooncake_connectors.bench.sglang_pd import Pair  # noqa: E402
 
 SUCCESS, FAILED, WAITING = 4, 0, 2
@@ -85,7 +87,13 @@ def test_chunked_sends_in_order(pair: Pair) -> None:
 def test_decode_killed_the_sender_fails_in_time_then_a_new_decode_works(pair: Pair) -> None:
     room = pair.next_room()
     pair.post_metadata(room, DST, 0)
-    pair.decode.kill()  # after its metadata reached the prefill, before the send
+    # send_metadata only queues the metadata on a ZMQ socket: kill the decode once it arrived
+    wait_until(
+        lambda: pair.prefill.call({"op": "has_room", "room": room})["has"],
+        30,
+        "the decode's metadata to reach the prefill",
+    )
+    pair.decode.kill()  # before the send
     t0 = time.monotonic()
     got = pair.prefill.call(
         {"op": "send", "room": room, "pages": SRC, "aux_index": 0}, timeout=FAILURE_DEADLINE

@@ -238,6 +238,11 @@ class Role:
         sender.clear()
         return out
 
+    def has_room(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Whether the decode's metadata for ``room`` reached this prefill (its bootstrap
+        thread files it under the room): ``send_metadata`` only queues it on a ZMQ socket."""
+        return {"has": int(cmd["room"]) in self.mgr.transfer_infos}
+
     def _poll_until(self, obj: Any, timeout: float, ends: tuple[int, ...]) -> int:
         deadline = time.monotonic() + timeout
         while True:
