@@ -52,7 +52,7 @@ from .descriptor import (
 )
 from .gpu_memory import check_device_ranges, check_host_ranges
 from .health import PathHealth
-from .memory import LocalSegment, Region, SharedBuffer, buffer_region, check_mapped, mappings
+from .memory import LocalSegment, Region, SharedBuffer, buffer_region, unmapped
 from .metadata import MetadataBackend, open_metadata, scheme_of
 from .metadata.lease import Publication
 from .transport import TRANSPORTS, Slice, Transport, TransportContext
@@ -325,16 +325,19 @@ class TransferEngine:
         out = []
         try:
             kind = parse_location(location)[0]
-            maps = mappings() if check and kind is _CPU else None
             spans = [(int(addr), int(length)) for addr, length in ranges]
             if kind is _CUDA:  # always: a host pointer taken for a GPU's would crash a copy
                 check_device_ranges(spans, location)
             elif check:
                 check_host_ranges(spans, location)
-            for addr, length in spans if maps is not None else ():
+            if check and kind is _CPU:
                 # every range before any is registered: a refusal leaves none behind
-                if addr >= 0 and length > 0:
-                    check_mapped(addr, length, write=bool(access & Access.WRITE), maps=maps)
+                bad = unmapped(
+                    [(a, n) if a >= 0 else (0, 0) for a, n in spans],
+                    write=bool(access & Access.WRITE),
+                )
+                if bad:
+                    raise bad[min(bad)]
             for addr, length in spans:
                 out.append(self.local.add(Region(addr, length, location, access, owner=owner)))
         except ValueError as exc:
