@@ -6,7 +6,7 @@ out of the import graph of anything a serving engine loads. This package may imp
 part of the package; no other part may import it.
 
 Modules: ``transfer`` (transfer engine), ``store``, ``store_memory``, ``store_ssd`` (store),
-``vllm_pd``, ``vllm_store``, ``conductor_live`` (vLLM), ``sglang``, ``lmcache``, ``moe`` and
-``moe_workload`` (synthetic MoE traffic), ``demo``, ``launch`` (server processes) and
-``tiny_model``.
+``vllm_pd``, ``vllm_store``, ``vllm_ec``, ``conductor_live`` (vLLM), ``sglang``, ``lmcache``,
+``moe`` and ``moe_workload`` (synthetic MoE traffic), ``demo``, ``launch`` (server processes)
+and ``tiny_model``.
 """

