@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import itertools
 import mmap
 import operator
 import os
@@ -89,10 +90,15 @@ def _still_granted(addr: int, length: int, write: bool) -> bool:
     return True
 
 
+_MAX_END = 1 << 64  # sorts after every real end: (addr, _MAX_END) follows (addr, end, perms)
+
+
 def _check_in(maps: Maps, addr: int, length: int, write: bool) -> None:
     end = addr + length
     pos = addr
-    for start, stop, perms in maps:
+    # from the last mapping that starts at or below addr: a worker has ~860 of them
+    first = max(0, bisect.bisect_right(maps, (addr, _MAX_END)) - 1)
+    for start, stop, perms in itertools.islice(maps, first, None):
         if stop <= pos:
             continue
         if start > pos:
