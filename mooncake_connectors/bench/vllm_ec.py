@@ -26,8 +26,9 @@ connector's ``start_load_caches`` runs only inside a step that schedules tokens
 (``gpu_model_runner.py``: a step with none returns before the EC connector is called, unless a
 KV connector is configured, and even then only the KV connector runs). A request held for its
 pushed item schedules nothing, so on an otherwise idle consumer the load never starts, the
-request fails after ``push_wait_timeout_s`` (60 s) with a retryable error, and so does vLLM's
-proxy's one retry. This is vLLM's, not the transfer engine's: Mooncake's wheel fails the same way.
+request fails after ``push_wait_timeout_s`` (60 s) with a retryable error, and so would the
+one retry of vLLM's EPD example proxy. This is vLLM's, not the transfer engine's: Mooncake's
+wheel fails the same way.
 The same holds for the metadata of any step that schedules no token: a load the scheduler
 hands out in such a step (it hands each out once) is dropped, and the request fails the same
 way. That happens on a serving consumer too, in a step between one batch finishing and the next
