@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -265,8 +266,14 @@ def test_overload_gets_early_429s_then_admits_only_what_meets_the_slo(live: Live
     prompts = [random_prompt(100 + i, OVERLOAD_TOKENS) for i in range(n)]
     limit = live.strict.get("/conductor/stats")["ttft_slo_s"]
 
+    # A burst: every thread posts at once. Without the barrier the pool's threads start one by
+    # one, and on a busy 2-core runner the prompts arrived spread out as fast as the two engines
+    # served them: no queue, nothing to reject (a red .ci/run rehearsal, 12 of 12 admitted).
+    start = threading.Barrier(n)
+
     def one(p: list[int]) -> tuple[int, dict[str, Any], dict[str, str], float]:
         body = {"model": "tiny", "prompt": p, "max_tokens": 4, "ignore_eos": True}
+        start.wait(60)
         return call(live.strict.url + "/v1/completions", body)
 
     with ThreadPoolExecutor(n) as pool:
@@ -293,9 +300,9 @@ def test_overload_gets_early_429s_then_admits_only_what_meets_the_slo(live: Live
     # The proxy learned each prefill engine's real speed from the admitted requests' prefill
     # legs; a second burst is admitted against those corrected estimates.
     slowdown = {p: v["slowdown"] for p, v in stats["prefill"].items()}
-    again = list(
-        ThreadPoolExecutor(n).map(one, [random_prompt(200 + i, OVERLOAD_TOKENS) for i in range(n)])
-    )
+    start.reset()
+    with ThreadPoolExecutor(n) as pool:
+        again = list(pool.map(one, [random_prompt(200 + i, OVERLOAD_TOKENS) for i in range(n)]))
     ok2 = sorted(round(r[3], 3) for r in again if r[0] == 200)
     print(
         f"learned slowdown {slowdown}; second burst: {len(ok2)} admitted, latencies {ok2}; "
