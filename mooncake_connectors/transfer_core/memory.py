@@ -8,7 +8,6 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
-import itertools
 import mmap
 import operator
 import os
@@ -98,7 +97,8 @@ def _check_in(maps: Maps, addr: int, length: int, write: bool) -> None:
     pos = addr
     # from the last mapping that starts at or below addr: a worker has ~860 of them
     first = max(0, bisect.bisect_right(maps, (addr, _MAX_END)) - 1)
-    for start, stop, perms in itertools.islice(maps, first, None):
+    for i in range(first, len(maps)):
+        start, stop, perms = maps[i]
         if stop <= pos:
             continue
         if start > pos:
