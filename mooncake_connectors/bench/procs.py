@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 import os
 import platform
+import queue
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import IO, Any
 
@@ -149,3 +153,72 @@ def loadavg() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
+
+
+class RoleProc:
+    """One role process of a bench (``python -m module CFG``, ``cfg["role"]`` naming it): it
+    answers each command line on its stdin with one JSON line on stdout prefixed by ``mark``
+    (other output may share stdout; its tail is kept for errors). :meth:`call` sends a command
+    and waits (bounded) for its answer; ``{"op": "quit"}`` ends it."""
+
+    def __init__(self, module: str, mark: str, cfg: dict[str, Any], env: dict[str, str]) -> None:
+        self.role, self.mark = cfg["role"], mark
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(self.mark):
+                self.replies.put(json.loads(line[len(self.mark) :]))
+            else:
+                self.tail.append(line.rstrip())
+        self.replies.put(None)  # end of output: the process exited
+
+    def output(self) -> str:
+        return "\n".join(self.tail)
+
+    def reply(self, timeout: float) -> dict[str, Any]:
+        try:
+            got = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(
+                f"{self.role} gave no answer in {timeout}s; its output:\n{self.output()}"
+            ) from None
+        if got is None:
+            raise RuntimeError(
+                f"{self.role} exited ({self.proc.wait(5)}); its output:\n{self.output()}"
+            )
+        return got
+
+    def call(self, cmd: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"timeout": timeout, **cmd}) + "\n")
+        self.proc.stdin.flush()
+        got = self.reply(timeout + 30.0)  # the role bounds its own wait by ``timeout``
+        if "error" in got:
+            raise RuntimeError(f"{self.role} {cmd['op']}: {got['error']}\n{self.output()}")
+        return got
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+        wait_or_kill(self.proc, 15.0)

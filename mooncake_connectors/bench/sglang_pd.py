@@ -22,22 +22,17 @@ the like-for-like figure is ours_tcp's.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import json
 import os
-import queue
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from typing import Any
 
 from .ports import free_port
-from .procs import loadavg, machine, wait_or_kill
+from .procs import RoleProc, loadavg, machine
 
 MARK = "@@sglang-pd "  # the role process's reply prefix (sglang_pd_role.MARK)
+ROLE_MODULE = "mooncake_connectors.bench.sglang_pd_role"
 SYSTEMS = ("ours", "ours_tcp", "mooncake")
 KV_POLL = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
 
@@ -69,72 +64,6 @@ def role_env(system: str, extra: dict[str, str] | None = None) -> dict[str, str]
         env["MOONCAKE_CONNECTORS_TRANSPORTS"] = "tcp"
     env.update(extra or {})
     return env
-
-
-class RoleProc:
-    """One role process; :meth:`call` sends a command and waits (bounded) for its answer."""
-
-    def __init__(self, cfg: dict[str, Any], env: dict[str, str]) -> None:
-        self.role = cfg["role"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_connectors.bench.sglang_pd_role", json.dumps(cfg)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self.replies.put(json.loads(line[len(MARK) :]))
-            else:
-                self.tail.append(line.rstrip())
-        self.replies.put(None)  # end of output: the process exited
-
-    def output(self) -> str:
-        return "\n".join(self.tail)
-
-    def reply(self, timeout: float) -> dict[str, Any]:
-        try:
-            got = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(
-                f"{self.role} gave no answer in {timeout}s; its output:\n{self.output()}"
-            ) from None
-        if got is None:
-            raise RuntimeError(
-                f"{self.role} exited ({self.proc.wait(5)}); its output:\n{self.output()}"
-            )
-        return got
-
-    def call(self, cmd: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"timeout": timeout, **cmd}) + "\n")
-        self.proc.stdin.flush()
-        got = self.reply(timeout + 30.0)  # the role bounds its own wait by ``timeout``
-        if "error" in got:
-            raise RuntimeError(f"{self.role} {cmd['op']}: {got['error']}\n{self.output()}")
-        return got
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-            except OSError:
-                pass
-        wait_or_kill(self.proc, 15.0)
 
 
 class Pair:
@@ -184,7 +113,8 @@ class Pair:
         self._room = 0
 
     def _start(self, role: str) -> RoleProc:
-        proc = RoleProc({**self.base, "role": role, "http_port": free_port()}, self.environ)
+        cfg = {**self.base, "role": role, "http_port": free_port()}
+        proc = RoleProc(ROLE_MODULE, MARK, cfg, self.environ)
         self.procs.append(proc)
         return proc
 

@@ -9,8 +9,8 @@ producer that pushes fresh tensors into it, one push at a time, timing each push
 calls) and checking the bytes of the last push of every size at the consumer. Same systems as
 :mod:`.vllm_ec`; the consumer and the producer of a system run with the same environment.
 
-Run as ``python -m mooncake_connectors.bench.vllm_ec_pattern consumer|producer ...`` by
-:func:`run_pattern`; they talk over their stdin/stdout, one JSON line each way.
+Each role is ``python -m mooncake_connectors.bench.vllm_ec_pattern CFG``, driven by
+:func:`run_pattern` through :class:`.procs.RoleProc`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
+from .procs import RoleProc
+
 MARK = "@@ec-pattern "
+MODULE = "mooncake_connectors.bench.vllm_ec_pattern"
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -48,89 +50,82 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _consumer(pool_bytes: int) -> None:
+def _pattern(nbytes: int, seed: int) -> Any:
     import torch
 
-    transfer = _vllm_transfer()
-    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
-    if transfer.register_memory(pool) != 0:
-        raise RuntimeError("register_memory failed")
-    _reply({"session": transfer.local_session(), "base": pool.data_ptr()})
-    for line in sys.stdin:  # {"check": [offset, nbytes, seed]} or {"stop": true}
-        cmd = json.loads(line)
-        if cmd.get("stop"):
-            break
-        offset, nbytes, seed = cmd["check"]
-        g = torch.Generator().manual_seed(seed)
-        want = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-        _reply({"equal": bool(torch.equal(pool[offset : offset + nbytes], want))})
-    transfer.unregister_memory(pool)
-    transfer.close()
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
-def _producer(session: str, base: int, sizes: list[int], pushes: int) -> None:
-    import torch
+class _Consumer:
+    """Registers its receive pool as vLLM's consumer does; ``check`` compares a range."""
 
-    transfer = _vllm_transfer()
-    out: dict[str, Any] = {}
-    for nbytes, offset in zip(sizes, _offsets(sizes), strict=True):
-        times = []
-        for i in range(pushes + 1):  # the first is a warm-up
-            g = torch.Generator().manual_seed(nbytes + i)
-            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-            t0 = time.perf_counter()
-            sources = transfer.acquire_sources([src])
-            transfer.write(session, sources, [base + offset], [nbytes])
-            transfer.release_sources(sources)
-            if i:
-                times.append((time.perf_counter() - t0) * 1e6)
-        out[str(nbytes)] = {"times_us": times, "seed": nbytes + pushes}
-    transfer.close()
-    _reply(out)
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        import torch
+
+        self.transfer = _vllm_transfer()
+        self.pool = torch.zeros(int(cfg["pool_bytes"]), dtype=torch.uint8)
+        if self.transfer.register_memory(self.pool) != 0:
+            raise RuntimeError("register_memory failed")
+        self.ready = {"session": self.transfer.local_session(), "base": self.pool.data_ptr()}
+
+    def check(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        offset, nbytes = int(cmd["offset"]), int(cmd["nbytes"])
+        want = _pattern(nbytes, int(cmd["seed"]))
+        return {"equal": bool(self.pool[offset : offset + nbytes].equal(want))}
+
+    def close(self) -> None:
+        self.transfer.unregister_memory(self.pool)
+        self.transfer.close()
 
 
-def _role_main(argv: list[str]) -> None:
+class _Producer:
+    """Pushes fresh tensors one at a time with vLLM's three calls, timing each push."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.transfer = _vllm_transfer()
+        self.ready = {"pid": os.getpid()}
+
+    def push(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        sizes, pushes = [int(x) for x in cmd["sizes"]], int(cmd["pushes"])
+        session, base = str(cmd["session"]), int(cmd["base"])
+        out: dict[str, Any] = {}
+        for nbytes, offset in zip(sizes, _offsets(sizes), strict=True):
+            times = []
+            for i in range(pushes + 1):  # the first is a warm-up
+                src = _pattern(nbytes, nbytes + i)
+                t0 = time.perf_counter()
+                sources = self.transfer.acquire_sources([src])
+                self.transfer.write(session, sources, [base + offset], [nbytes])
+                self.transfer.release_sources(sources)
+                if i:
+                    times.append((time.perf_counter() - t0) * 1e6)
+            out[str(nbytes)] = {"times_us": times, "seed": nbytes + pushes}
+        return out
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+def _role_main(cfg: dict[str, Any]) -> None:
+    """The role protocol of :class:`.procs.RoleProc`: a ready line, one answer per command."""
     from ..compat_alias import install_from_env
 
     install_from_env()  # before vLLM's transfer module imports mooncake.engine
-    if argv[0] == "consumer":
-        _consumer(int(argv[1]))
-    else:
-        _producer(argv[1], int(argv[2]), [int(x) for x in argv[3].split(",")], int(argv[4]))
-
-
-def _read(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    """The role's next reply line, within ``timeout`` seconds."""
-    import selectors
-
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    try:
-        while time.monotonic() < end:
-            if not sel.select(max(0.0, end - time.monotonic())):
-                break
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"role exited with {proc.wait(10)}")
-            if line.startswith(MARK):
-                out: dict[str, Any] = json.loads(line[len(MARK) :])
-                return out
-    finally:
-        sel.close()
-    raise TimeoutError(f"no reply in {timeout}s")
-
-
-def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "mooncake_connectors.bench.vllm_ec_pattern", *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    role = (_Consumer if cfg["role"] == "consumer" else _Producer)(cfg)
+    _reply(role.ready)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            role.close()
+            _reply({"bye": True})
+            break
+        try:
+            _reply(getattr(role, cmd["op"])(cmd))
+        except Exception as exc:  # reported to the driver
+            _reply({"error": f"{type(exc).__name__}: {exc}"})
 
 
 def run_pattern(
@@ -142,32 +137,20 @@ def run_pattern(
     results: dict[str, Any] = {}
     for system in systems:
         env = dict(os.environ) | system_env(system)
-        consumer = _start(["consumer", str(sum(sizes))], env)
+        consumer = RoleProc(MODULE, MARK, {"role": "consumer", "pool_bytes": sum(sizes)}, env)
+        producer: RoleProc | None = None
         try:
-            hello = _read(consumer, timeout)
-            producer = _start(
-                [
-                    "producer",
-                    hello["session"],
-                    str(hello["base"]),
-                    ",".join(map(str, sizes)),
-                    str(pushes),
-                ],
-                env,
+            hello = consumer.reply(timeout)
+            producer = RoleProc(MODULE, MARK, {"role": "producer"}, env)
+            producer.reply(timeout)
+            pushed = producer.call(
+                {"op": "push", "sizes": sizes, "pushes": pushes} | hello, timeout
             )
-            try:
-                pushed = _read(producer, timeout)
-            finally:
-                producer.kill()
-                producer.wait(30)
             rows = {}
             for nbytes, offset in zip(sizes, _offsets(sizes), strict=True):
                 got = pushed[str(nbytes)]
-                assert consumer.stdin is not None
-                check = {"check": [offset, nbytes, got["seed"]]}
-                consumer.stdin.write(json.dumps(check) + "\n")
-                consumer.stdin.flush()
-                if not _read(consumer, timeout)["equal"]:
+                check = {"op": "check", "offset": offset, "nbytes": nbytes, "seed": got["seed"]}
+                if not consumer.call(check, timeout)["equal"]:
                     raise RuntimeError(f"{system}: the consumer's bytes differ at {nbytes} B")
                 times = sorted(got["times_us"])
                 rows[str(nbytes)] = {
@@ -178,8 +161,9 @@ def run_pattern(
                 }
             results[system] = rows
         finally:
-            consumer.kill()
-            consumer.wait(30)
+            for role in (producer, consumer):
+                if role is not None:
+                    role.stop()
     ratios: dict[str, Any] = {}
     if "mooncake" in results:
         for name in ("ours", "ours_tcp"):
@@ -194,4 +178,4 @@ def run_pattern(
 
 
 if __name__ == "__main__":
-    _role_main(sys.argv[1:])
+    _role_main(json.loads(sys.argv[1]))
